@@ -1,0 +1,134 @@
+"""vLLM engine adapter: health, Prometheus metrics, request shaping, usage extraction.
+
+Also used for the simulated engine, which speaks vLLM's wire format.
+Metric names are vLLM's (0.32): ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc`` (older: ``vllm:gpu_cache_usage_perc``),
+``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total`` (tokens),
+``vllm:prompt_tokens_by_source_total{source=...}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from middleware.types import EngineMetrics, InferenceRequest, Usage
+
+_GAUGES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:gpu_cache_usage_perc": "kv_usage",
+    "vllm:prefix_cache_hits_total": "prefix_cache_hits",
+    "vllm:prefix_cache_queries_total": "prefix_cache_queries",
+    # vLLM < 0.10 names
+    "vllm:gpu_prefix_cache_hits_total": "prefix_cache_hits",
+    "vllm:gpu_prefix_cache_queries_total": "prefix_cache_queries",
+}
+_COUNTERS_EXTRA = frozenset(
+    {"vllm:external_prefix_cache_hits_total", "vllm:prompt_tokens_cached_total"}
+)
+
+
+def _parse_sample(line: str) -> tuple[str, str, float] | None:
+    """``name{labels} value [timestamp]`` -> (name, labels, value); None for other lines."""
+    if not line or line[0] == "#":
+        return None
+    brace = line.find("{")
+    if brace >= 0:
+        end = line.rfind("}")
+        name, labels, rest = line[:brace], line[brace + 1 : end], line[end + 1 :]
+    else:
+        name, _, rest = line.partition(" ")
+        labels = ""
+    parts = rest.split()
+    if not parts:
+        return None
+    try:
+        return name, labels, float(parts[0])
+    except ValueError:
+        return None
+
+
+def parse_prometheus(text: str) -> dict[tuple[str, str], float]:
+    """Samples keyed by (metric name, raw label string). Samples with equal keys are summed."""
+    out: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        sample = _parse_sample(line.strip())
+        if sample is not None:
+            key = (sample[0], sample[1])
+            out[key] = out.get(key, 0.0) + sample[2]
+    return out
+
+
+def _label_value(labels: str, key: str) -> str | None:
+    for part in labels.split(","):
+        k, _, v = part.partition("=")
+        if k.strip() == key:
+            return v.strip().strip('"')
+    return None
+
+
+class VllmAdapter:
+    """Adapter for vLLM's OpenAI-compatible server (and the simulator)."""
+
+    kind: ClassVar[str] = "vllm"
+    health_path: ClassVar[str] = "/health"
+    metrics_path: ClassVar[str | None] = "/metrics"
+    models_path: ClassVar[str | None] = "/v1/models"
+
+    def parse_metrics(self, text: str, scraped_at: float) -> EngineMetrics:
+        values: dict[str, float] = {}
+        extra: dict[str, float] = {}
+        for (name, labels), value in parse_prometheus(text).items():
+            field_name = _GAUGES.get(name)
+            if field_name is not None:
+                values[field_name] = values.get(field_name, 0.0) + value
+            elif name == "vllm:prompt_tokens_by_source_total":
+                source = _label_value(labels, "source") or "unknown"
+                key = f"prompt_tokens_{source}"
+                extra[key] = extra.get(key, 0.0) + value
+            elif name in _COUNTERS_EXTRA:
+                short = name.removeprefix("vllm:")
+                extra[short] = extra.get(short, 0.0) + value
+        return EngineMetrics(
+            running=values.get("running"),
+            waiting=values.get("waiting"),
+            kv_usage=values.get("kv_usage"),
+            prefix_cache_hits=values.get("prefix_cache_hits"),
+            prefix_cache_queries=values.get("prefix_cache_queries"),
+            scraped_at=scraped_at,
+            extra=extra,
+        )
+
+    def parse_models(self, payload: Mapping[str, Any]) -> frozenset[str]:
+        data = payload.get("data")
+        if not isinstance(data, list):
+            return frozenset()
+        return frozenset(
+            str(m["id"]) for m in data if isinstance(m, Mapping) and isinstance(m.get("id"), str)
+        )
+
+    def prepare_body(self, req: InferenceRequest, body: dict[str, Any]) -> dict[str, Any]:
+        """Streams always ask for the final usage chunk (stripped later if the client didn't)."""
+        if req.stream and not req.client_wants_usage:
+            opts = dict(body.get("stream_options") or {})
+            opts["include_usage"] = True
+            body = {**body, "stream_options": opts}
+        return body
+
+    def extract_usage(self, payload: Mapping[str, Any]) -> Usage | None:
+        usage = payload.get("usage")
+        if not isinstance(usage, Mapping):
+            return None
+        prompt = usage.get("prompt_tokens")
+        completion = usage.get("completion_tokens", 0)
+        if not isinstance(prompt, int) or not isinstance(completion, int):
+            return None
+        details = usage.get("prompt_tokens_details")
+        cached: int | None = None
+        if isinstance(details, Mapping):
+            value = details.get("cached_tokens")
+            if isinstance(value, int) and not isinstance(value, bool):
+                cached = value
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)

@@ -1,0 +1,133 @@
+"""One narrow error hierarchy, mapped to OpenAI error bodies in exactly one place."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class KvgateError(Exception):
+    """Base of every error kvgate raises on purpose."""
+
+
+class ConfigError(KvgateError):
+    """The configuration is invalid; the process refuses to start.
+
+    The message names the file, the instance and the problem.
+    """
+
+
+class HTTPError(KvgateError):
+    """An error that becomes an OpenAI-style HTTP error response."""
+
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class BadRequest(HTTPError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(HTTPError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class Forbidden(HTTPError):
+    status = 403
+    type = "permission_error"
+
+
+class ModelNotFound(HTTPError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class NotFound(HTTPError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class MethodNotAllowed(HTTPError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class PayloadTooLarge(HTTPError):
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class RateLimited(HTTPError):
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limited"
+
+
+class NoEndpointAvailable(HTTPError):
+    status = 503
+    type = "server_error"
+    code = "no_healthy_engine"
+
+
+class UpstreamError(HTTPError):
+    """The engine failed or answered with an error (502), or timed out (504)."""
+
+    status = 502
+    type = "server_error"
+    code = "upstream_error"
+
+    def __init__(self, message: str, *, status: int = 502, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retryable = retryable
+        if status == 504:
+            self.code = "upstream_timeout"
+
+
+class UpstreamHTTPError(HTTPError):
+    """The engine answered with an HTTP error status: relayed with the engine's own body."""
+
+    def __init__(self, status: int, body: bytes, content_type: str) -> None:
+        super().__init__(f"engine answered {status}")
+        self.status = status
+        self.raw_body = body
+        self.content_type = content_type
+
+
+def internal_error(request_id: str) -> HTTPError:
+    """The error shown for an unexpected exception: no details leak, the id links to the log."""
+    err = HTTPError(f"internal error (request id {request_id})", code="internal_error")
+    err.status = 500
+    return err

@@ -1,0 +1,185 @@
+"""Extension points: one small Protocol each. A plugin class inherits the ones it implements.
+
+Scheduling (Filter, Scorer, Picker, ProfileHandler) is synchronous and does no I/O.
+All I/O happens in the async hooks. See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import ClassVar, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict
+
+from middleware.types import (
+    CycleState,
+    Endpoint,
+    EndpointId,
+    InferenceRequest,
+    Outcome,
+    ProfileResult,
+    RoutingDecision,
+    ScoredEndpoint,
+    Usage,
+)
+
+
+class NoParams(BaseModel):
+    """Params model for plugins without parameters: any key is an error."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PluginLookup(Protocol):
+    """Handle given to plugin constructors to find other plugin instances by name."""
+
+    def lookup(self, name: str) -> object: ...
+
+
+class Plugin:
+    """Base class of every plugin.
+
+    Subclasses set ``type_name`` (the config ``type``), ``Params`` (a pydantic model with
+    ``extra="forbid"``), and ``produces`` / ``consumes`` (names of :class:`StateKey` s they write
+    or read, checked at startup).
+    """
+
+    type_name: ClassVar[str] = ""
+    Params: ClassVar[type[BaseModel]] = NoParams
+    #: Valid params used by the contract tests and docs (must validate against ``Params``).
+    example_params: ClassVar[Mapping[str, object]] = {}
+    produces: ClassVar[frozenset[str]] = frozenset()
+    consumes: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, name: str, params: BaseModel, plugins: PluginLookup) -> None:
+        self.name = name
+        self.params = params
+
+
+@runtime_checkable
+class Filter(Protocol):
+    """Keep the endpoints that may serve this request (sync, no I/O)."""
+
+    def filter(
+        self, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]
+    ) -> Sequence[Endpoint]: ...
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """A score in [0, 1] per endpoint (sync, no I/O). Missing ids score 0; the framework clamps."""
+
+    def score(
+        self, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]
+    ) -> Mapping[EndpointId, float]: ...
+
+
+@runtime_checkable
+class Picker(Protocol):
+    """Order the scored endpoints best first (sync, no I/O). Exactly one per profile."""
+
+    def pick(
+        self, state: CycleState, scored: Sequence[ScoredEndpoint], rng: random.Random
+    ) -> ProfileResult: ...
+
+
+@runtime_checkable
+class ProfileHandler(Protocol):
+    """Which profiles run, and how their results combine into a decision (sync, no I/O).
+
+    ``pick_profiles`` is called repeatedly with the results so far until it returns nothing.
+    """
+
+    def pick_profiles(
+        self,
+        req: InferenceRequest,
+        state: CycleState,
+        profiles: Sequence[str],
+        results: Mapping[str, ProfileResult],
+    ) -> Sequence[str]: ...
+
+    def finalize(
+        self, req: InferenceRequest, state: CycleState, results: Mapping[str, ProfileResult]
+    ) -> RoutingDecision: ...
+
+
+@runtime_checkable
+class RequestHook(Protocol):
+    """Runs first for every inference request: auth, catalog, admission. May raise HTTPError."""
+
+    async def on_request(self, req: InferenceRequest, state: CycleState) -> None: ...
+
+
+@runtime_checkable
+class DataProducer(Protocol):
+    """Computes data the scorers consume (tokenization, prefix lookup) before scheduling."""
+
+    async def prepare(
+        self, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]
+    ) -> None: ...
+
+
+@runtime_checkable
+class DispatchHook(Protocol):
+    """Runs after scheduling, before the request is sent (e.g. speculative index insertion)."""
+
+    async def before_dispatch(
+        self, req: InferenceRequest, state: CycleState, decision: RoutingDecision
+    ) -> None: ...
+
+
+@runtime_checkable
+class UsageHook(Protocol):
+    """Receives the engine's usage once it is known."""
+
+    async def on_usage(
+        self, req: InferenceRequest, state: CycleState, target: Endpoint, usage: Usage
+    ) -> None: ...
+
+
+@runtime_checkable
+class CompletionHook(Protocol):
+    """Runs exactly once per dispatched request, on every outcome."""
+
+    async def on_complete(
+        self, req: InferenceRequest, state: CycleState, target: Endpoint, outcome: Outcome
+    ) -> None: ...
+
+
+@runtime_checkable
+class EndpointSetListener(Protocol):
+    """Told when endpoints join or leave the pool (e.g. to drop their index entries)."""
+
+    def on_endpoints_changed(
+        self, added: Sequence[Endpoint], removed: Sequence[Endpoint]
+    ) -> None: ...
+
+
+@runtime_checkable
+class Lifecycle(Protocol):
+    """Plugins owning background work: the app's lifespan starts and stops them."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+SLOTS: Mapping[str, type] = {
+    "filter": Filter,
+    "scorer": Scorer,
+    "picker": Picker,
+    "profile-handler": ProfileHandler,
+    "request-hook": RequestHook,
+    "data-producer": DataProducer,
+    "dispatch-hook": DispatchHook,
+    "usage-hook": UsageHook,
+    "completion-hook": CompletionHook,
+    "endpoint-set-listener": EndpointSetListener,
+    "lifecycle": Lifecycle,
+}
+
+
+def slots_of(obj: object) -> frozenset[str]:
+    """The extension points an object implements."""
+    return frozenset(name for name, proto in SLOTS.items() if isinstance(obj, proto))

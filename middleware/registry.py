@@ -1,0 +1,65 @@
+"""Plugin and engine-adapter registry, fed by entry points (or an explicit mapping in tests).
+
+Entry-point groups:
+
+* ``kvgate.plugins``: ``<type_name> = module:PluginClass``
+* ``kvgate.engines``: ``<kind> = module:AdapterClass``
+* ``kvgate.commands``: ``<name> = module:register`` where ``register(subparsers)`` adds CLI commands
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any
+
+from middleware.engine import EngineAdapter
+from middleware.errors import ConfigError
+from middleware.plugin import Plugin
+
+PLUGIN_GROUP = "kvgate.plugins"
+ENGINE_GROUP = "kvgate.engines"
+COMMAND_GROUP = "kvgate.commands"
+
+
+def _load_group(group: str) -> dict[str, Any]:
+    loaded: dict[str, Any] = {}
+    for ep in entry_points(group=group):
+        if ep.name in loaded:
+            raise ConfigError(f"entry point group {group}: {ep.name!r} is registered twice")
+        loaded[ep.name] = ep.load()
+    return loaded
+
+
+@dataclass(frozen=True)
+class Registry:
+    """Known plugin types and engine kinds. Build once at startup, then read-only."""
+
+    plugins: Mapping[str, type[Plugin]] = field(default_factory=dict)
+    engines: Mapping[str, Callable[[], EngineAdapter]] = field(default_factory=dict)
+
+    @classmethod
+    def from_entry_points(cls) -> Registry:
+        plugins = _load_group(PLUGIN_GROUP)
+        for name, plugin_cls in plugins.items():
+            if not (isinstance(plugin_cls, type) and issubclass(plugin_cls, Plugin)):
+                raise ConfigError(f"plugin entry point {name!r} is not a Plugin subclass")
+            if plugin_cls.type_name != name:
+                raise ConfigError(
+                    f"plugin entry point {name!r} points at a class whose type_name is "
+                    f"{plugin_cls.type_name!r}"
+                )
+        return cls(plugins=plugins, engines=_load_group(ENGINE_GROUP))
+
+    def plugin_class(self, type_name: str) -> type[Plugin] | None:
+        return self.plugins.get(type_name)
+
+    def adapter(self, kind: str) -> EngineAdapter | None:
+        factory = self.engines.get(kind)
+        return factory() if factory is not None else None
+
+
+def command_registrars() -> dict[str, Callable[[Any], None]]:
+    """CLI command contributors from the ``kvgate.commands`` group."""
+    return _load_group(COMMAND_GROUP)

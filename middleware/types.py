@@ -1,0 +1,176 @@
+"""Framework data types shared by the core, plugins and engine adapters.
+
+Everything here is plain data: no I/O, no global state.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar, cast
+
+EndpointId = str
+T = TypeVar("T")
+
+
+class Role(enum.StrEnum):
+    """What an engine does: everything, or one side of a prefill/decode split."""
+
+    BOTH = "both"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class Api(enum.StrEnum):
+    CHAT = "chat"
+    COMPLETIONS = "completions"
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self is Api.CHAT else "/v1/completions"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMetrics:
+    """What the pool last scraped from an engine's ``/metrics`` (``None``: not reported)."""
+
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None  # fraction of KV cache in use, 0..1
+    prefix_cache_hits: float | None = None  # tokens, cumulative
+    prefix_cache_queries: float | None = None  # tokens, cumulative
+    scraped_at: float | None = None  # time.monotonic() of the scrape
+    extra: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """An immutable snapshot of one engine, handed to scheduling plugins per request."""
+
+    id: EndpointId
+    url: str
+    kind: str
+    role: Role = Role.BOTH
+    models: frozenset[str] = frozenset()
+    healthy: bool = True
+    in_flight_requests: int = 0
+    in_flight_tokens: int = 0
+    metrics: EngineMetrics = field(default_factory=EngineMetrics)
+    labels: Mapping[str, str] = field(default_factory=dict)
+    kv_events: str | None = None
+
+
+@dataclass(slots=True)
+class InferenceRequest:
+    """One client request as the pipeline sees it.
+
+    ``headers`` are lower-cased and never contain ``authorization``.
+    ``body`` is the parsed JSON body; plugins may add engine fields before dispatch.
+    """
+
+    request_id: str
+    api: Api
+    model: str
+    body: dict[str, Any]
+    headers: Mapping[str, str]
+    stream: bool
+    client_wants_usage: bool
+    prompt_token_estimate: int
+    received_at: float
+    tenant: str | None = None
+    key_id: str | None = None
+    raw_body_size: int = 0
+
+
+class StateKey(Generic[T]):
+    """A typed key into :class:`CycleState`; plugins declare the names they produce/consume."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"StateKey({self.name!r})"
+
+
+class CycleState:
+    """Per-request scratch space shared by plugins; dropped when the request ends."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self) -> None:
+        self._data: dict[str, object] = {}
+
+    def put(self, key: StateKey[T], value: T) -> None:
+        self._data[key.name] = value
+
+    def get(self, key: StateKey[T], default: T | None = None) -> T | None:
+        return cast("T | None", self._data.get(key.name, default))
+
+    def require(self, key: StateKey[T]) -> T:
+        if key.name not in self._data:
+            raise KeyError(f"cycle state has no {key.name!r}")
+        return cast(T, self._data[key.name])
+
+    def __contains__(self, key: StateKey[Any]) -> bool:
+        return key.name in self._data
+
+
+@dataclass(frozen=True, slots=True)
+class ScoredEndpoint:
+    endpoint: Endpoint
+    score: float
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileResult:
+    """A profile's choice: endpoints best first (the first is the target, the rest fallbacks)."""
+
+    endpoints: tuple[Endpoint, ...]
+
+    @property
+    def target(self) -> Endpoint:
+        return self.endpoints[0]
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingDecision:
+    """Where a request goes: ``target`` serves the response; ``prefill`` runs a first hop if set."""
+
+    target: Endpoint
+    alternates: tuple[Endpoint, ...] = ()
+    prefill: Endpoint | None = None
+    profiles: Mapping[str, ProfileResult] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token usage as reported by an engine. ``cached_tokens`` is ``None`` when not reported."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class OutcomeKind(enum.StrEnum):
+    DONE = "done"
+    UPSTREAM_ERROR = "upstream_error"
+    CLIENT_DISCONNECT = "client_disconnect"
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How a dispatched request ended. Completion hooks receive it on every path."""
+
+    kind: OutcomeKind
+    status: int
+    usage: Usage | None = None
+    ttft_s: float | None = None
+    total_s: float = 0.0
+    error: str | None = None
