@@ -80,7 +80,13 @@ class InferenceRequest:
     received_at: float
     tenant: str | None = None
     key_id: str | None = None
-    raw_body_size: int = 0
+    #: The client's body bytes, forwarded as-is unless the body was changed (see update_body).
+    raw_body: bytes | None = None
+
+    def update_body(self, **fields: Any) -> None:
+        """Set body fields for the engine; the body is re-serialized before dispatch."""
+        self.body.update(fields)
+        self.raw_body = None
 
 
 class StateKey(Generic[T]):
@@ -174,3 +180,8 @@ class Outcome:
     ttft_s: float | None = None
     total_s: float = 0.0
     error: str | None = None
+    #: The gateway retries this request on another engine (this attempt's outcome is final
+    #: for this dispatch only).
+    will_retry: bool = False
+    #: SSE data events relayed to the client (streams), a lower bound on tokens generated.
+    chunks_relayed: int = 0

@@ -1,0 +1,150 @@
+"""The ASGI application: routes, lifespan, and the app factory ``create_app``.
+
+The app owns every background task (pool probing, plugin lifecycles) through its lifespan;
+nothing runs at import time. ``async with app.running():`` does the same for in-process use
+(tests with ``httpx.ASGITransport``, which does not send lifespan events).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from middleware.asgi import Receive, Scope, Send, send_bytes, send_error, send_json
+from middleware.config import GatewayConfig
+from middleware.errors import HTTPError, MethodNotAllowed, NotFound
+from middleware.gateway import Gateway
+from middleware.metrics import GatewayMetrics
+from middleware.pipeline import build_pipeline
+from middleware.pool import EndpointPool
+from middleware.registry import Registry
+from middleware.types import Api
+
+log = logging.getLogger("kvgate.app")
+
+_INFERENCE = {"/v1/chat/completions": Api.CHAT, "/v1/completions": Api.COMPLETIONS}
+_PROMETHEUS_CT = (b"content-type", b"text/plain; version=0.0.4; charset=utf-8")
+
+
+class KvgateApp:
+    """ASGI callable. Build it with :func:`create_app`."""
+
+    def __init__(self, config: GatewayConfig, registry: Registry) -> None:
+        self.config = config
+        self.pipeline = build_pipeline(config, registry)
+        self.pool = EndpointPool(
+            config.engines, self.pipeline.adapters, config.pool, self.pipeline.listeners
+        )
+        self.metrics = GatewayMetrics(self.pool.snapshot)
+        self.gateway = Gateway(config, self.pipeline, self.pool, self.metrics)
+        self.started_at = int(time.time())
+        self._session: aiohttp.ClientSession | None = None
+
+    # -- lifespan ------------------------------------------------------------------------
+    async def startup(self) -> None:
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=self.config.server.connections_per_engine,
+            keepalive_timeout=30, enable_cleanup_closed=True,
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
+        )
+        self.gateway.session = self._session
+        await self.pool.start(self._session)
+        for plugin in self.pipeline.lifecycles:
+            await plugin.start()
+        log.info("kvgate ready: %d engines, models %s", len(self.config.engines),
+                 sorted(self.pool.models()))
+
+    async def shutdown(self) -> None:
+        for plugin in reversed(self.pipeline.lifecycles):
+            await plugin.stop()
+        await self.pool.stop()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[KvgateApp]:
+        await self.startup()
+        try:
+            yield self
+        finally:
+            await self.shutdown()
+
+    # -- ASGI ------------------------------------------------------------------------------
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:
+                    log.exception("startup failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope["path"]
+        method: str = scope["method"]
+        api = _INFERENCE.get(path)
+        try:
+            if api is not None:
+                _require(method, "POST")
+                await self.gateway.handle(dict(scope), receive, send, api)
+            elif path == "/health":
+                _require(method, "GET")
+                await self._health(send)
+            elif path == "/metrics":
+                _require(method, "GET")
+                await send_bytes(send, 200, self.metrics.render(), [_PROMETHEUS_CT])
+            elif path == "/v1/models":
+                _require(method, "GET")
+                await send_json(send, 200, self._models())
+            else:
+                raise NotFound(f"no route for {method} {path}")
+        except HTTPError as err:
+            await send_error(send, err, [])
+
+    async def _health(self, send: Send) -> None:
+        engines = self.pool.status()
+        healthy = sum(1 for e in engines if e["healthy"])
+        status = 200 if healthy else 503
+        await send_json(send, status, {
+            "status": "ok" if healthy else "unavailable",
+            "engines_healthy": healthy, "engines_total": len(engines), "engines": engines,
+        })
+
+    def _models(self) -> dict[str, Any]:
+        data = [
+            {"id": m, "object": "model", "created": self.started_at, "owned_by": "kvgate"}
+            for m in sorted(self.pool.models())
+        ]
+        return {"object": "list", "data": data}
+
+
+def _require(method: str, expected: str) -> None:
+    if method != expected:
+        raise MethodNotAllowed(f"use {expected} here, not {method}")
+
+
+def create_app(config: GatewayConfig, registry: Registry | None = None) -> KvgateApp:
+    """Build the gateway app; raises ConfigError if the config cannot work."""
+    return KvgateApp(config, registry if registry is not None else Registry.from_entry_points())

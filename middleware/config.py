@@ -1,0 +1,207 @@
+"""Configuration: a strictly validated YAML file (or CLI flags) composing engines and plugins.
+
+Schema errors are reported as :class:`ConfigError` naming the file, the instance and the
+problem. Semantic checks that need the plugin registry (unknown types, slots, refs, state keys)
+live in :mod:`middleware.pipeline`. Every key is documented in docs/config.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from middleware.errors import ConfigError
+from middleware.types import Role
+
+_STRICT = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerConfig(BaseModel):
+    """HTTP server and request-path settings."""
+
+    model_config = _STRICT
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    #: Largest accepted request body. 8 MiB fits a 128k-token prompt as text (~4 bytes/token)
+    #: with JSON overhead, yet bounds what one request can make the gateway hold.
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    #: Upper bound on one upstream request, connect to last byte (long generations take minutes).
+    request_timeout_s: float = Field(600.0, gt=0)
+    connect_timeout_s: float = Field(5.0, gt=0)
+    #: Retries on another engine when the upstream fails before the first byte (issue: once).
+    retries: int = Field(1, ge=0, le=3)
+    #: Connection pool size per engine (keep-alive connections kept by the HTTP client).
+    connections_per_engine: int = Field(256, ge=1)
+    #: Seed of the scheduler's random tie-breaks (reproducible routing for a given seed).
+    seed: int = 0
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class PoolConfig(BaseModel):
+    """Engine health probing and metrics scraping."""
+
+    model_config = _STRICT
+    health_interval_s: float = Field(2.0, gt=0)
+    health_timeout_s: float = Field(2.0, gt=0)
+    metrics_interval_s: float = Field(2.0, gt=0)
+    #: Consecutive failed probes before an engine is marked unhealthy (a connection error on the
+    #: request path marks it at once).
+    unhealthy_after: int = Field(2, ge=1)
+    #: How long startup waits for the first probe round before serving.
+    startup_probe_timeout_s: float = Field(5.0, ge=0)
+
+
+class EngineConfig(BaseModel):
+    """One engine endpoint."""
+
+    model_config = _STRICT
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    url: str
+    kind: str = "vllm"
+    role: Role = Role.BOTH
+    #: Models it serves; empty: discovered from the engine's ``/v1/models``.
+    models: tuple[str, ...] = ()
+    #: ZMQ address of its KV events (used by the KV-event plugins).
+    kv_events: str | None = None
+    #: Name of an environment variable holding the engine's API key (never the key itself).
+    api_key_env: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {value!r}")
+        return value.rstrip("/")
+
+
+class PluginConfig(BaseModel):
+    """A plugin instance: its registered ``type``, an optional unique ``name``, its params."""
+
+    model_config = _STRICT
+    type: str = Field(min_length=1)
+    name: str | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def instance_name(self) -> str:
+        return self.name or self.type
+
+
+class ProfileRef(BaseModel):
+    model_config = _STRICT
+    ref: str = Field(min_length=1)
+    #: Only for scorers: the scorer's [0, 1] score is multiplied by this.
+    weight: float | None = Field(None, ge=0)
+
+
+class ProfileConfig(BaseModel):
+    """A scheduling profile: filters, weighted scorers and exactly one picker, in order."""
+
+    model_config = _STRICT
+    name: str = Field(min_length=1)
+    plugins: tuple[ProfileRef, ...]
+
+
+class GatewayConfig(BaseModel):
+    """The whole gateway configuration."""
+
+    model_config = _STRICT
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    pool: PoolConfig = Field(default_factory=PoolConfig)
+    engines: tuple[EngineConfig, ...] = ()
+    plugins: tuple[PluginConfig, ...] = ()
+    profiles: tuple[ProfileConfig, ...] = ()
+    #: Plugin instance implementing ProfileHandler; required with more than one profile.
+    profile_handler: str | None = None
+    #: Where this config came from (for error messages); not a YAML key.
+    source: str = Field("<config>", exclude=True)
+
+
+def _format_loc(loc: tuple[int | str, ...], data: dict[str, Any]) -> str:
+    """``plugins[2] (name 'x', type 'y').params`` from a pydantic error location."""
+    out = ""
+    node: Any = data
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+            node = node[part] if isinstance(node, list) and part < len(node) else None
+            if isinstance(node, dict) and ("name" in node or "type" in node):
+                desc = ", ".join(f"{k} {node[k]!r}" for k in ("name", "type") if k in node)
+                out += f" ({desc})"
+        else:
+            out += f".{part}" if out else str(part)
+            node = node.get(part) if isinstance(node, dict) else None
+    return out or "<top level>"
+
+
+def parse_config(data: object, source: str) -> GatewayConfig:
+    """Validate a parsed YAML document; errors name the source and the offending instance."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
+    try:
+        return GatewayConfig.model_validate({**data, "source": source})
+    except ValidationError as exc:
+        problems = [
+            f"{source}: {_format_loc(tuple(err['loc']), data)}: {err['msg']}"
+            for err in exc.errors()
+        ]
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems)) from None
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    """Read and validate a YAML config file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    return parse_config(data, str(p))
+
+
+#: The composition used by ``kvgate serve --engine URL``: healthy engines serving the model,
+#: least in-flight requests first, seeded random tie-break. Plugins are named by type only:
+#: this is configuration data, the core imports none of them.
+DEFAULT_PROFILE: dict[str, Any] = {
+    "plugins": [
+        {"type": "health-filter"},
+        {"type": "model-filter"},
+        {"type": "least-in-flight-scorer"},
+        {"type": "max-score-picker"},
+    ],
+    "profiles": [
+        {
+            "name": "default",
+            "plugins": [
+                {"ref": "health-filter"},
+                {"ref": "model-filter"},
+                {"ref": "least-in-flight-scorer", "weight": 1.0},
+                {"ref": "max-score-picker"},
+            ],
+        }
+    ],
+}
+
+
+def config_from_engines(
+    urls: list[str], *, host: str | None = None, port: int | None = None, kind: str = "vllm"
+) -> GatewayConfig:
+    """A config for the quick start: the given engines behind the default profile."""
+    server: dict[str, Any] = {}
+    if host is not None:
+        server["host"] = host
+    if port is not None:
+        server["port"] = port
+    engines = [{"name": f"engine-{i}", "url": url, "kind": kind} for i, url in enumerate(urls)]
+    return parse_config({"server": server, "engines": engines, **DEFAULT_PROFILE}, "<command line>")

@@ -1,0 +1,287 @@
+"""The request pipeline: parse -> request hooks -> producers -> schedule -> dispatch -> relay
+-> usage / completion hooks. Retries once elsewhere when an engine fails before the first byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Coroutine, MutableMapping, Sequence
+from typing import Any, TypeVar
+
+import aiohttp
+
+from middleware.asgi import (
+    JSON_CT,
+    ClientGone,
+    Headers,
+    Receive,
+    Send,
+    disconnect_watcher,
+    header_map,
+    read_body,
+    send_bytes,
+    send_error,
+)
+from middleware.config import GatewayConfig
+from middleware.errors import (
+    HTTPError,
+    ModelNotFound,
+    NoEndpointAvailable,
+    UpstreamError,
+    UpstreamHTTPError,
+    internal_error,
+)
+from middleware.metrics import GatewayMetrics
+from middleware.pipeline import Pipeline
+from middleware.pool import EndpointPool
+from middleware.requests import parse_request, request_id
+from middleware.sse import SSETap
+from middleware.types import (
+    Api,
+    CycleState,
+    Endpoint,
+    InferenceRequest,
+    Outcome,
+    OutcomeKind,
+    RoutingDecision,
+)
+from middleware.upstream import (
+    Progress,
+    first_chunk,
+    open_request,
+    read_json_response,
+    relay_stream,
+)
+
+log = logging.getLogger("kvgate.gateway")
+T = TypeVar("T")
+
+_SSE_HEADERS: Headers = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+class Gateway:
+    """Owns the per-request logic; the app routes inference requests to :meth:`handle`."""
+
+    def __init__(
+        self, config: GatewayConfig, pipeline: Pipeline, pool: EndpointPool,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.config = config
+        self.pipeline = pipeline
+        self.pool = pool
+        self.metrics = metrics
+        self.session: aiohttp.ClientSession | None = None
+        server = config.server
+        self._timeout = aiohttp.ClientTimeout(
+            total=server.request_timeout_s, connect=server.connect_timeout_s
+        )
+
+    async def handle(self, scope: dict[str, Any], receive: Receive, send: Send, api: Api) -> None:
+        started = time.monotonic()
+        send = _Tracked(send)
+        headers = header_map(scope)
+        extra: Headers = []
+        status = 500
+        model = "other"
+        try:
+            rid = request_id(headers)
+            extra.append((b"x-request-id", rid.encode()))
+            body = await read_body(receive, headers, self.config.server.max_body_bytes)
+            req = parse_request(api, body, headers, rid)
+            model = req.model if req.model in self.pool.models() else "other"
+            status = await self._serve(req, receive, send, extra)
+        except ClientGone:
+            status = 499
+        except HTTPError as err:
+            status = err.status
+            await self._send_error(send, err, extra)
+        except Exception:
+            log.exception("unexpected error (request %s)", _rid(extra))
+            await self._send_error(send, internal_error(_rid(extra)), extra)
+        self.metrics.requests.labels(api.value, model, str(status)).inc()
+        self.metrics.latency.labels(api.value).observe(time.monotonic() - started)
+
+    async def _send_error(self, send: Send, err: HTTPError, extra: Headers) -> None:
+        if isinstance(send, _Tracked) and send.started:
+            log.error("error after the response started (%s): %s", _rid(extra), err.message)
+            return
+        if isinstance(err, UpstreamHTTPError):
+            headers = [(b"content-type", err.content_type.encode()), *extra]
+            await send_bytes(send, err.status, err.raw_body, headers)
+        else:
+            await send_error(send, err, extra)
+
+    async def _serve(
+        self, req: InferenceRequest, receive: Receive, send: Send, extra: Headers
+    ) -> int:
+        state = CycleState()
+        for hook in self.pipeline.request_hooks:
+            await hook.on_request(req, state)
+        eps = self.pool.snapshot()
+        self._check_model(req, eps)
+        for producer in self.pipeline.producers:
+            await producer.prepare(req, state, eps)
+        excluded: set[str] = set()
+        attempts = 1 + self.config.server.retries
+        for attempt in range(attempts):
+            decision = self._schedule(req, state, eps, excluded)
+            last = attempt == attempts - 1
+            try:
+                return await self._dispatch(req, state, decision, receive, send, extra, last)
+            except UpstreamError as err:
+                if last or not err.retryable:
+                    raise
+                excluded.add(decision.target.id)
+                self.metrics.retries.labels(decision.target.id).inc()
+                log.warning("request %s: retrying after %s", req.request_id, err.message)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _check_model(self, req: InferenceRequest, eps: Sequence[Endpoint]) -> None:
+        if req.model in self.pool.models():
+            return
+        if not any(ep.healthy for ep in eps):
+            raise NoEndpointAvailable("no healthy engine is available")
+        raise ModelNotFound(f"the model {req.model!r} does not exist", param="model")
+
+    def _schedule(
+        self, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint], excluded: set[str]
+    ) -> RoutingDecision:
+        candidates = [ep for ep in eps if ep.id not in excluded] if excluded else eps
+        if not candidates:
+            raise NoEndpointAvailable("no other engine left to retry on")
+        return self.pipeline.scheduler.schedule(req, state, candidates)
+
+    async def _dispatch(
+        self, req: InferenceRequest, state: CycleState, decision: RoutingDecision,
+        receive: Receive, send: Send, extra: Headers, last: bool,
+    ) -> int:
+        for hook in self.pipeline.dispatch_hooks:
+            await hook.before_dispatch(req, state, decision)
+        target = decision.target
+        lease = self.pool.acquire(target.id, req.prompt_token_estimate)
+        progress = Progress(headers=[*extra, (b"x-kvgate-engine", target.id.encode())])
+        kind, error = OutcomeKind.DONE, None
+        will_retry = False
+        try:
+            await _race(self._forward(req, target, send, progress), receive)
+            if progress.broken is not None:
+                kind, error = OutcomeKind.UPSTREAM_ERROR, progress.broken
+                self.metrics.upstream_errors.labels(target.id, "mid_stream").inc()
+            return progress.status
+        except ClientGone:
+            kind, error = OutcomeKind.CLIENT_DISCONNECT, "client disconnected"
+            raise
+        except (UpstreamError, UpstreamHTTPError) as err:
+            kind, error = OutcomeKind.UPSTREAM_ERROR, err.message
+            progress.status = err.status
+            will_retry = isinstance(err, UpstreamError) and err.retryable and not last
+            self.metrics.upstream_errors.labels(target.id, "before_first_byte").inc()
+            raise
+        finally:
+            lease.release()
+            await self._complete(req, state, target, progress, kind, error, will_retry)
+
+    async def _forward(
+        self, req: InferenceRequest, target: Endpoint, send: Send, progress: Progress
+    ) -> None:
+        assert self.session is not None
+        adapter = self.pool.adapter(target.id)
+        body = adapter.prepare_body(req, req.body)
+        raw = req.raw_body if body is req.body and req.raw_body is not None else _dumps(body)
+        headers = {"content-type": "application/json", "x-request-id": req.request_id,
+                   **self.pool.headers(target.id)}
+        url = target.url + req.api.path
+        try:
+            resp = await open_request(self.session, url, raw, headers, self._timeout)
+        except UpstreamError as err:
+            if err.status == 502:
+                self.pool.report_failure(target.id, err.message)
+            raise
+        if not req.stream:
+            payload = await read_json_response(resp, adapter, progress)
+            ct = resp.headers.get("content-type", "application/json").encode()
+            await send_bytes(send, progress.status, payload, [(b"content-type", ct), *progress.headers])
+            return
+        chunk = await first_chunk(resp)
+        tap = SSETap(adapter.extract_usage, strip_usage=not req.client_wants_usage)
+        progress.headers[:0] = _SSE_HEADERS
+        await relay_stream(resp, chunk, send, tap, progress)
+
+    async def _complete(
+        self, req: InferenceRequest, state: CycleState, target: Endpoint, progress: Progress,
+        kind: OutcomeKind, error: str | None, will_retry: bool,
+    ) -> None:
+        now = time.monotonic()
+        ttft = None if progress.first_byte_at is None else progress.first_byte_at - req.received_at
+        if ttft is not None:
+            self.metrics.ttft.labels(req.api.value, str(req.stream).lower()).observe(ttft)
+        usage = progress.usage
+        if usage is not None:
+            self._count_tokens(req.model, usage.prompt_tokens, usage.completion_tokens,
+                               usage.cached_tokens)
+            for uhook in self.pipeline.usage_hooks:
+                await uhook.on_usage(req, state, target, usage)
+        outcome = Outcome(
+            kind=kind, status=progress.status, usage=usage, ttft_s=ttft,
+            total_s=now - req.received_at, error=error, will_retry=will_retry,
+            chunks_relayed=progress.events,
+        )
+        for chook in self.pipeline.completion_hooks:
+            await chook.on_complete(req, state, target, outcome)
+
+    def _count_tokens(self, model: str, prompt: int, completion: int, cached: int | None) -> None:
+        tokens = self.metrics.tokens
+        tokens.labels(model, "prompt").inc(prompt)
+        tokens.labels(model, "completion").inc(completion)
+        if cached is not None:
+            tokens.labels(model, "cached").inc(cached)
+
+
+class _Tracked:
+    """Wraps ``send`` to know whether the response has started (then no error body can follow)."""
+
+    __slots__ = ("_send", "started")
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+
+    async def __call__(self, message: MutableMapping[str, Any]) -> None:
+        self.started = True
+        await self._send(message)
+
+
+async def _race(work: Coroutine[Any, Any, T], receive: Receive) -> T:
+    """Run ``work`` unless the client disconnects first (then cancel it: ClientGone)."""
+    task = asyncio.ensure_future(work)
+    watcher = disconnect_watcher(receive)
+    try:
+        done, _ = await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientGone()
+    finally:
+        watcher.cancel()
+
+
+def _dumps(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _rid(extra: Headers) -> str:
+    for name, value in extra:
+        if name == b"x-request-id":
+            return value.decode()
+    return "-"
+
+
+__all__ = ["JSON_CT", "Gateway"]

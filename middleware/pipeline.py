@@ -1,0 +1,200 @@
+"""Builds and validates the plugin pipeline from a config and the registry.
+
+Every problem is found here, at startup, and reported as a ConfigError naming the config
+file, the plugin instance or profile, and the problem. Nothing is validated at request time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ValidationError
+
+from middleware.config import GatewayConfig, PluginConfig, ProfileConfig
+from middleware.engine import EngineAdapter
+from middleware.errors import ConfigError
+from middleware.plugin import (
+    CompletionHook,
+    DataProducer,
+    DispatchHook,
+    EndpointSetListener,
+    Filter,
+    Lifecycle,
+    Picker,
+    Plugin,
+    ProfileHandler,
+    RequestHook,
+    Scorer,
+    UsageHook,
+    slots_of,
+)
+from middleware.registry import Registry
+from middleware.scheduler import Profile, Scheduler, WeightedScorer
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """The composed plugins, by slot, in config order."""
+
+    plugins: Mapping[str, Plugin]
+    scheduler: Scheduler
+    adapters: Mapping[str, EngineAdapter]
+    request_hooks: tuple[RequestHook, ...] = ()
+    producers: tuple[DataProducer, ...] = ()
+    dispatch_hooks: tuple[DispatchHook, ...] = ()
+    usage_hooks: tuple[UsageHook, ...] = ()
+    completion_hooks: tuple[CompletionHook, ...] = ()
+    listeners: tuple[EndpointSetListener, ...] = ()
+    lifecycles: tuple[Lifecycle, ...] = field(default=())
+
+
+class _Lookup:
+    """The handle plugin constructors use to find plugins declared before them."""
+
+    def __init__(self, source: str, built: Mapping[str, Plugin]) -> None:
+        self._source = source
+        self._built = built
+
+    def lookup(self, name: str) -> object:
+        try:
+            return self._built[name]
+        except KeyError:
+            raise ConfigError(
+                f"{self._source}: plugin {name!r} is referenced but not declared before it"
+            ) from None
+
+
+def _instantiate(
+    source: str, idx: int, pc: PluginConfig, registry: Registry, built: dict[str, Plugin]
+) -> Plugin:
+    where = f"{source}: plugins[{idx}] (name {pc.instance_name!r}, type {pc.type!r})"
+    cls = registry.plugin_class(pc.type)
+    if cls is None:
+        known = ", ".join(sorted(registry.plugins)) or "none"
+        raise ConfigError(f"{where}: unknown plugin type (known: {known})")
+    if pc.instance_name in built:
+        raise ConfigError(f"{where}: duplicate plugin name {pc.instance_name!r}")
+    try:
+        params: BaseModel = cls.Params.model_validate(pc.params)
+    except ValidationError as exc:
+        detail = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'params'}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise ConfigError(f"{where}: bad params: {detail}") from None
+    try:
+        plugin = cls(pc.instance_name, params, _Lookup(source, built))
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if not slots_of(plugin):
+        raise ConfigError(f"{where}: implements no extension point")
+    return plugin
+
+
+def _build_profile(
+    source: str, pc: ProfileConfig, plugins: Mapping[str, Plugin]
+) -> Profile:
+    where = f"{source}: profile {pc.name!r}"
+    filters: list[tuple[str, Filter]] = []
+    scorers: list[WeightedScorer] = []
+    pickers: list[Picker] = []
+    for ref in pc.plugins:
+        plugin = plugins.get(ref.ref)
+        if plugin is None:
+            raise ConfigError(f"{where}: refers to undeclared plugin {ref.ref!r}")
+        if ref.weight is not None and not isinstance(plugin, Scorer):
+            raise ConfigError(f"{where}: {ref.ref!r} is not a scorer, so it takes no weight")
+        if isinstance(plugin, Filter):
+            filters.append((ref.ref, plugin))
+        elif isinstance(plugin, Scorer):
+            weight = 1.0 if ref.weight is None else ref.weight
+            scorers.append(WeightedScorer(ref.ref, plugin, weight))
+        elif isinstance(plugin, Picker):
+            pickers.append(plugin)
+        else:
+            raise ConfigError(
+                f"{where}: {ref.ref!r} is not a filter, scorer or picker "
+                f"(it is: {', '.join(sorted(slots_of(plugin)))})"
+            )
+    if len(pickers) != 1:
+        raise ConfigError(f"{where}: needs exactly one picker, has {len(pickers)}")
+    return Profile(pc.name, tuple(filters), tuple(scorers), pickers[0])
+
+
+def _check_state_keys(source: str, plugins: Mapping[str, Plugin]) -> None:
+    produced = {key for p in plugins.values() for key in p.produces}
+    for name, plugin in plugins.items():
+        missing = sorted(plugin.consumes - produced)
+        if missing:
+            raise ConfigError(
+                f"{source}: plugin {name!r} consumes {', '.join(missing)} but no configured "
+                "plugin produces it"
+            )
+
+
+def _pick_handler(
+    config: GatewayConfig, plugins: Mapping[str, Plugin], profiles: Mapping[str, Profile]
+) -> ProfileHandler | None:
+    source = config.source
+    if config.profile_handler is None:
+        if len(profiles) != 1:
+            raise ConfigError(
+                f"{source}: {len(profiles)} profiles need a profile_handler (exactly one profile "
+                "runs without one)"
+            )
+        return None
+    handler = plugins.get(config.profile_handler)
+    if handler is None:
+        raise ConfigError(f"{source}: profile_handler {config.profile_handler!r} is not declared")
+    if not isinstance(handler, ProfileHandler):
+        raise ConfigError(f"{source}: profile_handler {config.profile_handler!r} is not one")
+    return handler
+
+
+def _adapters(config: GatewayConfig, registry: Registry) -> dict[str, EngineAdapter]:
+    adapters: dict[str, EngineAdapter] = {}
+    names: set[str] = set()
+    for idx, ec in enumerate(config.engines):
+        where = f"{config.source}: engines[{idx}] (name {ec.name!r})"
+        if ec.name in names:
+            raise ConfigError(f"{where}: duplicate engine name")
+        names.add(ec.name)
+        if ec.kind not in adapters:
+            adapter = registry.adapter(ec.kind)
+            if adapter is None:
+                known = ", ".join(sorted(registry.engines)) or "none"
+                raise ConfigError(f"{where}: unknown engine kind {ec.kind!r} (known: {known})")
+            adapters[ec.kind] = adapter
+    return adapters
+
+
+def build_pipeline(config: GatewayConfig, registry: Registry) -> Pipeline:
+    """Instantiate and validate everything; raises ConfigError on the first problem."""
+    source = config.source
+    adapters = _adapters(config, registry)
+    built: dict[str, Plugin] = {}
+    for idx, pc in enumerate(config.plugins):
+        built[pc.instance_name] = _instantiate(source, idx, pc, registry, built)
+    if not config.profiles:
+        raise ConfigError(f"{source}: at least one profile is required")
+    profiles: dict[str, Profile] = {}
+    for prof in config.profiles:
+        if prof.name in profiles:
+            raise ConfigError(f"{source}: duplicate profile name {prof.name!r}")
+        profiles[prof.name] = _build_profile(source, prof, built)
+    _check_state_keys(source, built)
+    handler = _pick_handler(config, built, profiles)
+    values = list(built.values())
+    return Pipeline(
+        plugins=built,
+        scheduler=Scheduler(profiles, handler, config.server.seed),
+        adapters=adapters,
+        request_hooks=tuple(p for p in values if isinstance(p, RequestHook)),
+        producers=tuple(p for p in values if isinstance(p, DataProducer)),
+        dispatch_hooks=tuple(p for p in values if isinstance(p, DispatchHook)),
+        usage_hooks=tuple(p for p in values if isinstance(p, UsageHook)),
+        completion_hooks=tuple(p for p in values if isinstance(p, CompletionHook)),
+        listeners=tuple(p for p in values if isinstance(p, EndpointSetListener)),
+        lifecycles=tuple(p for p in values if isinstance(p, Lifecycle)),
+    )

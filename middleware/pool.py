@@ -1,0 +1,236 @@
+"""The engine pool: endpoints, health probing, metrics scraping, in-flight counters.
+
+Per-request code gets an immutable snapshot (:meth:`EndpointPool.snapshot`), rebuilt lazily only
+after something changed. In-flight counters are taken with :meth:`acquire` and released through
+the returned :class:`Lease` on every outcome (release is idempotent).
+Bounded: one record per configured engine; nothing else is kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import aiohttp
+
+from middleware.config import EngineConfig, PoolConfig
+from middleware.engine import EngineAdapter
+from middleware.errors import ConfigError
+from middleware.plugin import EndpointSetListener
+from middleware.types import Endpoint, EndpointId, EngineMetrics
+
+log = logging.getLogger("kvgate.pool")
+
+
+class _Engine:
+    """Mutable live state of one engine; only the pool touches it."""
+
+    __slots__ = (
+        "adapter", "config", "failures", "headers", "healthy", "in_flight_requests",
+        "in_flight_tokens", "last_error", "metrics", "models",
+    )
+
+    def __init__(self, config: EngineConfig, adapter: EngineAdapter) -> None:
+        self.config = config
+        self.adapter = adapter
+        self.healthy = True  # optimistic until the first probe says otherwise
+        self.models: frozenset[str] = frozenset(config.models)
+        self.metrics = EngineMetrics()
+        self.in_flight_requests = 0
+        self.in_flight_tokens = 0
+        self.failures = 0
+        self.last_error: str | None = None
+        self.headers = _auth_headers(config)
+
+    def snapshot(self) -> Endpoint:
+        c = self.config
+        return Endpoint(
+            id=c.name, url=c.url, kind=c.kind, role=c.role, models=self.models,
+            healthy=self.healthy, in_flight_requests=self.in_flight_requests,
+            in_flight_tokens=self.in_flight_tokens, metrics=self.metrics, labels=c.labels,
+            kv_events=c.kv_events,
+        )
+
+
+def _auth_headers(config: EngineConfig) -> dict[str, str]:
+    if config.api_key_env is None:
+        return {}
+    key = os.environ.get(config.api_key_env)
+    if not key:
+        raise ConfigError(
+            f"engine {config.name!r}: environment variable {config.api_key_env} is not set"
+        )
+    return {"Authorization": f"Bearer {key}"}
+
+
+class Lease:
+    """An acquired in-flight slot on one engine. ``release()`` is idempotent."""
+
+    __slots__ = ("_engine", "_pool", "_tokens", "endpoint_id")
+
+    def __init__(self, pool: EndpointPool, engine: _Engine, tokens: int) -> None:
+        self._pool = pool
+        self._engine: _Engine | None = engine
+        self._tokens = tokens
+        self.endpoint_id = engine.config.name
+
+    def release(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.in_flight_requests -= 1
+            engine.in_flight_tokens -= self._tokens
+            self._pool._dirty = True
+
+
+class EndpointPool:
+    """Owns engine state; its probe loop is started and stopped by the app's lifespan."""
+
+    def __init__(
+        self,
+        engines: Sequence[EngineConfig],
+        adapters: Mapping[str, EngineAdapter],
+        config: PoolConfig,
+        listeners: Sequence[EndpointSetListener] = (),
+    ) -> None:
+        self.config = config
+        self._engines = {e.name: _Engine(e, adapters[e.kind]) for e in engines}
+        self._listeners = tuple(listeners)
+        self._snapshot: tuple[Endpoint, ...] = ()
+        self._dirty = True
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._last_metrics = 0.0
+
+    # -- request path -------------------------------------------------------------------
+    def snapshot(self) -> tuple[Endpoint, ...]:
+        if self._dirty:
+            self._snapshot = tuple(e.snapshot() for e in self._engines.values())
+            self._dirty = False
+        return self._snapshot
+
+    def adapter(self, endpoint_id: EndpointId) -> EngineAdapter:
+        return self._engines[endpoint_id].adapter
+
+    def headers(self, endpoint_id: EndpointId) -> Mapping[str, str]:
+        return self._engines[endpoint_id].headers
+
+    def acquire(self, endpoint_id: EndpointId, tokens: int) -> Lease:
+        engine = self._engines[endpoint_id]
+        engine.in_flight_requests += 1
+        engine.in_flight_tokens += tokens
+        self._dirty = True
+        return Lease(self, engine, tokens)
+
+    def report_failure(self, endpoint_id: EndpointId, reason: str) -> None:
+        """A request could not reach the engine: out of rotation until a probe succeeds."""
+        engine = self._engines[endpoint_id]
+        if engine.healthy:
+            log.warning("engine %s marked unhealthy: %s", endpoint_id, reason)
+        engine.healthy = False
+        engine.failures = max(engine.failures, self.config.unhealthy_after)
+        engine.last_error = reason
+        self._dirty = True
+
+    def models(self) -> frozenset[str]:
+        out: set[str] = set()
+        for engine in self._engines.values():
+            out |= engine.models
+        return frozenset(out)
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        self._session = session
+        eps = self.snapshot()
+        for listener in self._listeners:
+            listener.on_endpoints_changed(eps, ())
+        if self.config.startup_probe_timeout_s > 0 and self._engines:
+            try:
+                await asyncio.wait_for(self.probe_all(), self.config.startup_probe_timeout_s)
+            except TimeoutError:
+                log.warning("first engine probe round did not finish in time; serving anyway")
+        self._task = asyncio.create_task(self._run(), name="kvgate-pool-probe")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _run(self) -> None:
+        interval = min(self.config.health_interval_s, self.config.metrics_interval_s)
+        while True:
+            await asyncio.sleep(interval)
+            await self.probe_all()
+
+    async def probe_all(self) -> None:
+        now = time.monotonic()
+        scrape = now - self._last_metrics >= self.config.metrics_interval_s
+        if scrape:
+            self._last_metrics = now
+        await asyncio.gather(*(self._probe(e, scrape) for e in self._engines.values()))
+        self._dirty = True
+
+    # -- probing ------------------------------------------------------------------------
+    async def _get(self, engine: _Engine, path: str) -> tuple[int, bytes]:
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+        async with self._session.get(
+            engine.config.url + path, headers=engine.headers, timeout=timeout
+        ) as resp:
+            return resp.status, await resp.read()
+
+    async def _probe(self, engine: _Engine, scrape: bool) -> None:
+        try:
+            status, _ = await self._get(engine, engine.adapter.health_path)
+            ok = status == 200
+            reason = f"health answered {status}"
+            if ok and not engine.config.models and engine.adapter.models_path:
+                await self._discover_models(engine)
+            if ok and scrape and engine.adapter.metrics_path:
+                await self._scrape(engine)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            ok, reason = False, f"{type(exc).__name__}: {exc}"
+        self._record_probe(engine, ok, reason)
+
+    def _record_probe(self, engine: _Engine, ok: bool, reason: str) -> None:
+        if ok:
+            if not engine.healthy:
+                log.info("engine %s is healthy again", engine.config.name)
+            engine.healthy, engine.failures, engine.last_error = True, 0, None
+            return
+        engine.failures += 1
+        engine.last_error = reason
+        if engine.healthy and engine.failures >= self.config.unhealthy_after:
+            log.warning("engine %s marked unhealthy: %s", engine.config.name, reason)
+            engine.healthy = False
+
+    async def _discover_models(self, engine: _Engine) -> None:
+        assert engine.adapter.models_path is not None
+        status, body = await self._get(engine, engine.adapter.models_path)
+        if status == 200:
+            payload: Any = json.loads(body)
+            if isinstance(payload, dict):
+                engine.models = engine.adapter.parse_models(payload)
+
+    async def _scrape(self, engine: _Engine) -> None:
+        assert engine.adapter.metrics_path is not None
+        status, body = await self._get(engine, engine.adapter.metrics_path)
+        if status == 200:
+            text = body.decode("utf-8", errors="replace")
+            engine.metrics = engine.adapter.parse_metrics(text, time.monotonic())
+
+    def status(self) -> list[dict[str, Any]]:
+        """Per-engine state for ``GET /health`` and operators (no secrets)."""
+        return [
+            {
+                "name": e.config.name, "url": e.config.url, "role": e.config.role.value,
+                "healthy": e.healthy, "models": sorted(e.models),
+                "in_flight_requests": e.in_flight_requests, "last_error": e.last_error,
+            }
+            for e in self._engines.values()
+        ]

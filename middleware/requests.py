@@ -1,0 +1,118 @@
+"""Parsing and validating OpenAI request bodies into :class:`InferenceRequest`.
+
+Validation is deliberately shallow: the fields the gateway itself relies on are checked with
+clear 400s; everything else is passed through for the engine to judge (it knows its limits).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from middleware.errors import BadRequest
+from middleware.types import Api, InferenceRequest
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+#: Rough bytes per prompt token for text, used only to size in-flight token estimates before a
+#: tokenizer (a plugin) refines them; ~4 bytes/token holds for English BPE vocabularies.
+BYTES_PER_TOKEN = 4
+
+
+def request_id(headers: Mapping[str, str]) -> str:
+    """The client's ``x-request-id`` if well-formed (400 otherwise), else a fresh one."""
+    given = headers.get("x-request-id")
+    if given is None:
+        return uuid.uuid4().hex
+    if not _REQUEST_ID.match(given):
+        raise BadRequest(
+            "x-request-id must be 1-128 characters of [A-Za-z0-9._:-]", param="x-request-id"
+        )
+    return given
+
+
+def _load(body: bytes) -> dict[str, Any]:
+    if not body:
+        raise BadRequest("request body is empty; expected a JSON object")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("request body must be a JSON object")
+    return data
+
+
+def _is_token_ids(value: object) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    )
+
+
+def _check_prompt(prompt: object) -> int:
+    """Validates a completions prompt; returns its estimated token count."""
+    if isinstance(prompt, str):
+        return len(prompt) // BYTES_PER_TOKEN + 1
+    if _is_token_ids(prompt):
+        assert isinstance(prompt, list)
+        return len(prompt)
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return sum(len(p) for p in prompt) // BYTES_PER_TOKEN + 1
+        if all(_is_token_ids(p) for p in prompt):
+            return sum(len(p) for p in prompt)
+    raise BadRequest(
+        "prompt must be a string, a list of strings, a list of token ids, or a list of "
+        "token-id lists",
+        param="prompt",
+    )
+
+
+def _check_messages(messages: object, body_size: int) -> int:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty array", param="messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a string role", param="messages")
+    return body_size // BYTES_PER_TOKEN + 1
+
+
+def _check_common(data: Mapping[str, Any]) -> tuple[str, bool, bool]:
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("model is required and must be a non-empty string", param="model")
+    stream = data.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("stream must be a boolean", param="stream")
+    opts = data.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise BadRequest("stream_options must be an object", param="stream_options")
+    wants_usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
+    for key in ("max_tokens", "max_completion_tokens", "n"):
+        value = data.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise BadRequest(f"{key} must be a non-negative integer", param=key)
+    return model, stream, wants_usage
+
+
+def parse_request(
+    api: Api, body: bytes, headers: Mapping[str, str], rid: str
+) -> InferenceRequest:
+    """Validate the body of a chat or completions request (400 with ``param`` on problems)."""
+    data = _load(body)
+    model, stream, wants_usage = _check_common(data)
+    if api is Api.CHAT:
+        estimate = _check_messages(data.get("messages"), len(body))
+    else:
+        if "prompt" not in data:
+            raise BadRequest("prompt is required", param="prompt")
+        estimate = _check_prompt(data["prompt"])
+    forwarded = {k: v for k, v in headers.items() if k != "authorization"}
+    return InferenceRequest(
+        request_id=rid, api=api, model=model, body=data, headers=forwarded, stream=stream,
+        client_wants_usage=wants_usage, prompt_token_estimate=estimate,
+        received_at=time.monotonic(), raw_body=body,
+    )

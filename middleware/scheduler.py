@@ -1,0 +1,100 @@
+"""The scheduler: per profile, filters -> weighted scorers -> one picker. Pure and synchronous.
+
+A profile handler (a plugin) decides which profiles run and how their results combine (e.g.
+decode first, then prefill). Without one, the single configured profile runs and its first
+endpoint is the target, the others are retry alternates.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from middleware.errors import NoEndpointAvailable
+from middleware.plugin import Filter, Picker, ProfileHandler, Scorer
+from middleware.types import (
+    CycleState,
+    Endpoint,
+    InferenceRequest,
+    ProfileResult,
+    RoutingDecision,
+    ScoredEndpoint,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightedScorer:
+    name: str
+    scorer: Scorer
+    weight: float
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    name: str
+    filters: tuple[tuple[str, Filter], ...]
+    scorers: tuple[WeightedScorer, ...]
+    picker: Picker
+
+
+def _clamp(value: float) -> float:
+    if math.isnan(value):
+        return 0.0
+    return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value
+
+
+class Scheduler:
+    """Runs profiles over an endpoint snapshot. Owns the seeded RNG used by pickers."""
+
+    def __init__(
+        self, profiles: Mapping[str, Profile], handler: ProfileHandler | None, seed: int
+    ) -> None:
+        self.profiles = dict(profiles)
+        self.handler = handler
+        self.rng = random.Random(seed)
+        # A handler may ask for profiles repeatedly; this bounds a buggy one.
+        self._max_rounds = 2 * max(1, len(self.profiles))
+
+    def run_profile(
+        self, profile: Profile, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]
+    ) -> ProfileResult:
+        for name, flt in profile.filters:
+            eps = flt.filter(req, state, eps)
+            if not eps:
+                raise NoEndpointAvailable(
+                    f"no engine can serve model {req.model!r} now (profile {profile.name!r}, "
+                    f"filter {name!r} left none)"
+                )
+        if not eps:
+            raise NoEndpointAvailable(f"no engine can serve model {req.model!r} now")
+        totals = dict.fromkeys((ep.id for ep in eps), 0.0)
+        for ws in profile.scorers:
+            scores = ws.scorer.score(req, state, eps)
+            for ep_id, value in scores.items():
+                if ep_id in totals:
+                    totals[ep_id] += ws.weight * _clamp(value)
+        scored = [ScoredEndpoint(ep, totals[ep.id]) for ep in eps]
+        return profile.picker.pick(state, scored, self.rng)
+
+    def schedule(
+        self, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]
+    ) -> RoutingDecision:
+        if self.handler is None:
+            (profile,) = self.profiles.values()
+            result = self.run_profile(profile, req, state, eps)
+            return RoutingDecision(
+                target=result.target,
+                alternates=result.endpoints[1:],
+                profiles={profile.name: result},
+            )
+        results: dict[str, ProfileResult] = {}
+        names = tuple(self.profiles)
+        for _ in range(self._max_rounds):
+            todo = self.handler.pick_profiles(req, state, names, results)
+            if not todo:
+                break
+            for name in todo:
+                results[name] = self.run_profile(self.profiles[name], req, state, eps)
+        return self.handler.finalize(req, state, results)
