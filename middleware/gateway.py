@@ -40,6 +40,7 @@ from middleware.pool import EndpointPool
 from middleware.requests import parse_request, request_id
 from middleware.sse import SSETap
 from middleware.types import (
+    RESPONSE_HEADERS,
     Api,
     CycleState,
     Endpoint,
@@ -170,7 +171,7 @@ class Gateway:
         kind, error = OutcomeKind.DONE, None
         will_retry = False
         try:
-            await _race(self._forward(req, target, send, progress), receive)
+            await _race(self._forward(req, state, target, send, progress), receive)
             if progress.broken is not None:
                 kind, error = OutcomeKind.UPSTREAM_ERROR, progress.broken
                 self.metrics.upstream_errors.labels(target.id, "mid_stream").inc()
@@ -189,7 +190,8 @@ class Gateway:
             await self._complete(req, state, target, progress, kind, error, will_retry)
 
     async def _forward(
-        self, req: InferenceRequest, target: Endpoint, send: Send, progress: Progress
+        self, req: InferenceRequest, state: CycleState, target: Endpoint, send: Send,
+        progress: Progress,
     ) -> None:
         assert self.session is not None
         adapter = self.pool.adapter(target.id)
@@ -206,13 +208,29 @@ class Gateway:
             raise
         if not req.stream:
             payload = await read_json_response(resp, adapter, progress)
+            await self._report_usage(req, state, target, progress)
             ct = resp.headers.get("content-type", "application/json").encode()
-            await send_bytes(send, progress.status, payload, [(b"content-type", ct), *progress.headers])
+            out = [(b"content-type", ct), *progress.headers, *_plugin_headers(state)]
+            await send_bytes(send, progress.status, payload, out)
             return
         chunk = await first_chunk(resp)
         tap = SSETap(adapter.extract_usage, strip_usage=not req.client_wants_usage)
         progress.headers[:0] = _SSE_HEADERS
+        progress.headers.extend(_plugin_headers(state))
         await relay_stream(resp, chunk, send, tap, progress)
+
+    async def _report_usage(
+        self, req: InferenceRequest, state: CycleState, target: Endpoint, progress: Progress
+    ) -> None:
+        """Usage hooks, once per dispatch, as soon as the usage is known."""
+        usage = progress.usage
+        if usage is None or progress.usage_reported:
+            return
+        progress.usage_reported = True
+        self._count_tokens(req.model, usage.prompt_tokens, usage.completion_tokens,
+                           usage.cached_tokens)
+        for uhook in self.pipeline.usage_hooks:
+            await uhook.on_usage(req, state, target, usage)
 
     async def _complete(
         self, req: InferenceRequest, state: CycleState, target: Endpoint, progress: Progress,
@@ -222,12 +240,8 @@ class Gateway:
         ttft = None if progress.first_byte_at is None else progress.first_byte_at - req.received_at
         if ttft is not None:
             self.metrics.ttft.labels(req.api.value, str(req.stream).lower()).observe(ttft)
+        await self._report_usage(req, state, target, progress)
         usage = progress.usage
-        if usage is not None:
-            self._count_tokens(req.model, usage.prompt_tokens, usage.completion_tokens,
-                               usage.cached_tokens)
-            for uhook in self.pipeline.usage_hooks:
-                await uhook.on_usage(req, state, target, usage)
         outcome = Outcome(
             kind=kind, status=progress.status, usage=usage, ttft_s=ttft,
             total_s=now - req.received_at, error=error, will_retry=will_retry,
@@ -271,6 +285,13 @@ async def _race(work: Coroutine[Any, Any, T], receive: Receive) -> T:
         raise ClientGone()
     finally:
         watcher.cancel()
+
+
+def _plugin_headers(state: CycleState) -> Headers:
+    headers = state.get(RESPONSE_HEADERS)
+    if not headers:
+        return []
+    return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
 
 
 def _dumps(body: dict[str, Any]) -> bytes:

@@ -16,7 +16,7 @@ from typing import Any
 from middleware.errors import BadRequest
 from middleware.types import Api, InferenceRequest
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 #: Rough bytes per prompt token for text, used only to size in-flight token estimates before a
 #: tokenizer (a plugin) refines them; ~4 bytes/token holds for English BPE vocabularies.
 BYTES_PER_TOKEN = 4
@@ -27,7 +27,7 @@ def request_id(headers: Mapping[str, str]) -> str:
     given = headers.get("x-request-id")
     if given is None:
         return uuid.uuid4().hex
-    if not _REQUEST_ID.match(given):
+    if not _REQUEST_ID.fullmatch(given):
         raise BadRequest(
             "x-request-id must be 1-128 characters of [A-Za-z0-9._:-]", param="x-request-id"
         )
@@ -47,7 +47,7 @@ def _load(body: bytes) -> dict[str, Any]:
 
 
 def _is_token_ids(value: object) -> bool:
-    return isinstance(value, list) and all(
+    return isinstance(value, list) and bool(value) and all(
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
     )
 
@@ -76,7 +76,9 @@ def _check_messages(messages: object, body_size: int) -> int:
         raise BadRequest("messages must be a non-empty array", param="messages")
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise BadRequest(f"messages[{i}] must be an object with a string role", param="messages")
+            raise BadRequest(
+                f"messages[{i}] must be an object with a string role", param="messages"
+            )
     return body_size // BYTES_PER_TOKEN + 1
 
 
@@ -93,7 +95,8 @@ def _check_common(data: Mapping[str, Any]) -> tuple[str, bool, bool]:
     wants_usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
     for key in ("max_tokens", "max_completion_tokens", "n"):
         value = data.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        bad = not isinstance(value, int) or isinstance(value, bool) or value < 0
+        if value is not None and bad:
             raise BadRequest(f"{key} must be a non-negative integer", param=key)
     return model, stream, wants_usage
 

@@ -124,6 +124,21 @@ class CycleState:
         return key.name in self._data
 
 
+#: Headers plugins want on the client's response (e.g. the session header echoed, the cost).
+#: Set by request/producer/dispatch/usage hooks; for streams only what is set before the first
+#: byte is sent; for JSON answers usage hooks run before the response starts.
+RESPONSE_HEADERS: StateKey[dict[str, str]] = StateKey("response-headers")
+
+
+def add_response_header(state: CycleState, name: str, value: str) -> None:
+    """Ask the gateway to send ``name: value`` on this request's response."""
+    headers = state.get(RESPONSE_HEADERS)
+    if headers is None:
+        headers = {}
+        state.put(RESPONSE_HEADERS, headers)
+    headers[name.lower()] = value
+
+
 @dataclass(frozen=True, slots=True)
 class ScoredEndpoint:
     endpoint: Endpoint

@@ -34,6 +34,7 @@ class Progress:
     usage: Usage | None = None
     events: int = 0
     broken: str | None = None  # why the stream ended early, if it did
+    usage_reported: bool = False
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
 
 
@@ -42,7 +43,7 @@ async def open_request(
     url: str,
     body: bytes,
     headers: Mapping[str, str],
-    timeout: aiohttp.ClientTimeout,
+    timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - aiohttp's own per-request timeout
 ) -> aiohttp.ClientResponse:
     """POST to the engine; returns a 2xx response whose body is still unread."""
     try:
@@ -61,7 +62,8 @@ async def open_request(
         resp.release()
     if resp.status >= 500 or resp.status == 429:
         raise UpstreamError(f"engine answered {resp.status}", retryable=True)
-    raise UpstreamHTTPError(resp.status, payload, resp.headers.get("content-type", "application/json"))
+    content_type = resp.headers.get("content-type", "application/json")
+    raise UpstreamHTTPError(resp.status, payload, content_type)
 
 
 async def read_json_response(

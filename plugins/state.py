@@ -1,0 +1,36 @@
+"""State keys shared between plugins (the names are what ``produces`` / ``consumes`` declare).
+
+A plugin that can work without a key reads it with ``state.get`` and does not declare it in
+``consumes``; one that cannot declares it, and the config loader checks a producer exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from middleware.types import EndpointId, StateKey
+
+#: The request's prompt as the engine will tokenize it (chat template applied), or the client's
+#: token-id prompt as given. Produced by the tokenization producer.
+TOKEN_IDS: StateKey[tuple[int, ...]] = StateKey("token-ids")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """Per endpoint, how many leading prompt tokens the engine holds (by tier)."""
+
+    prompt_tokens: int
+    #: endpoint id -> matched tokens on the fast tier (GPU / device memory)
+    device: Mapping[EndpointId, int]
+    #: endpoint id -> matched tokens on slower tiers (CPU, disk, remote), beyond ``device``
+    other: Mapping[EndpointId, int]
+    #: True when the numbers come from the engines' KV events; False: the gateway's own record
+    precise: bool
+
+
+#: Longest cached prefix per endpoint. Produced by the prefix-cache producer.
+PREFIX_MATCH: StateKey[PrefixMatch] = StateKey("prefix-match")
+
+#: The session key of the request (tenant, model, session header value), when it has one.
+SESSION_KEY: StateKey[str] = StateKey("session-key")

@@ -1,0 +1,80 @@
+"""SSE tap: event-granular relay, usage pickup, usage-chunk stripping, split reads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engines.vllm import VllmAdapter
+from middleware.sse import SSETap, error_event
+from middleware.types import Usage
+
+
+def _ev(obj: object) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+CHUNK1 = _ev({"choices": [{"delta": {"content": "a"}}]})
+CHUNK2 = _ev({"choices": [{"delta": {"content": "b"}}]})
+USAGE = {"prompt_tokens": 10, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 8}}
+USAGE_CHUNK = _ev({"choices": [], "usage": USAGE})
+DONE = b"data: [DONE]\n\n"
+STREAM = CHUNK1 + CHUNK2 + USAGE_CHUNK + DONE
+
+
+def _split(data: bytes, size: int) -> list[bytes]:
+    return [data[i : i + size] for i in range(0, len(data), size)]
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 50, len(STREAM)])
+@pytest.mark.parametrize("strip", [False, True])
+def test_relay_any_split(size: int, strip: bool) -> None:
+    tap = SSETap(VllmAdapter().extract_usage, strip_usage=strip)
+    out = b"".join(tap.feed(c) for c in _split(STREAM, size)) + tap.flush()
+    expected = CHUNK1 + CHUNK2 + (b"" if strip else USAGE_CHUNK) + DONE
+    assert out == expected
+    assert tap.usage == Usage(10, 2, 8)
+    assert tap.done
+    assert tap.events == 2 + (0 if strip else 1)
+
+
+def test_events_forwarded_as_soon_as_complete() -> None:
+    tap = SSETap(VllmAdapter().extract_usage, strip_usage=True)
+    assert tap.feed(CHUNK1[:5]) == b""
+    assert tap.feed(CHUNK1[5:]) == CHUNK1
+    assert tap.feed(CHUNK2 + CHUNK1[:3]) == CHUNK2
+
+
+def test_usage_in_content_chunk_is_removed_not_dropped() -> None:
+    both = _ev({"choices": [{"delta": {"content": "x"}}], "usage": USAGE})
+    tap = SSETap(VllmAdapter().extract_usage, strip_usage=True)
+    out = tap.feed(both)
+    assert json.loads(out[6:]) == {"choices": [{"delta": {"content": "x"}}]}
+    assert tap.usage == Usage(10, 2, 8)
+
+
+@pytest.mark.parametrize(("usage", "cached"), [
+    ({"prompt_tokens": 5, "completion_tokens": 1}, None),
+    ({"prompt_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": None}, None),
+    ({"prompt_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}, 0),
+])
+def test_cached_unknown_is_none(usage: dict[str, object], cached: int | None) -> None:
+    tap = SSETap(VllmAdapter().extract_usage, strip_usage=False)
+    tap.feed(_ev({"choices": [], "usage": usage}))
+    assert tap.usage is not None
+    assert tap.usage.cached_tokens == cached
+
+
+def test_missing_done_and_null_usage() -> None:
+    tap = SSETap(VllmAdapter().extract_usage, strip_usage=True)
+    chunk = _ev({"choices": [{"delta": {}}], "usage": None})
+    assert tap.feed(chunk) == chunk
+    assert not tap.done
+    assert tap.usage is None
+
+
+def test_error_event_is_openai_shaped() -> None:
+    event = error_event("boom")
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    assert json.loads(event[6:])["error"]["message"] == "boom"
