@@ -108,10 +108,15 @@ class UpstreamError(HTTPError):
     type = "server_error"
     code = "upstream_error"
 
-    def __init__(self, message: str, *, status: int = 502, retryable: bool = True) -> None:
+    def __init__(
+        self, message: str, *, status: int = 502, retryable: bool = True,
+        unreachable: bool = False,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.retryable = retryable
+        #: The engine could not be reached at all (connect refused/reset): take it out of rotation.
+        self.unreachable = unreachable
         if status == 504:
             self.code = "upstream_timeout"
 

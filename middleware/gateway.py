@@ -149,6 +149,8 @@ class Gateway:
             return
         if not any(ep.healthy for ep in eps):
             raise NoEndpointAvailable("no healthy engine is available")
+        if any(ep.healthy and not ep.models for ep in eps):
+            return  # an engine's models are not discovered yet: let the filters decide
         raise ModelNotFound(f"the model {req.model!r} does not exist", param="model")
 
     def _schedule(
@@ -203,7 +205,7 @@ class Gateway:
         try:
             resp = await open_request(self.session, url, raw, headers, self._timeout)
         except UpstreamError as err:
-            if err.status == 502:
+            if err.unreachable:
                 self.pool.report_failure(target.id, err.message)
             raise
         if not req.stream:

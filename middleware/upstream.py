@@ -51,7 +51,10 @@ async def open_request(
     except TimeoutError:
         raise UpstreamError(f"engine did not answer within {timeout.total} s", status=504) from None
     except aiohttp.ClientError as exc:
-        raise UpstreamError(f"cannot reach engine: {type(exc).__name__}: {exc}") from None
+        raise UpstreamError(
+            f"cannot reach engine: {type(exc).__name__}: {exc}",
+            unreachable=isinstance(exc, aiohttp.ClientConnectionError),
+        ) from None
     if resp.status < 400:
         return resp
     try:

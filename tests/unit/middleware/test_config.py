@@ -11,7 +11,7 @@ from engines.vllm import VllmAdapter
 from middleware.config import config_from_engines, load_config, parse_config
 from middleware.errors import ConfigError
 from middleware.pipeline import build_pipeline
-from tests.unit.middleware.fakes import registry
+from tests.unit.middleware.fakes import TwoProfiles, registry
 
 ENGINE = {"name": "e0", "url": "http://127.0.0.1:9000"}
 GOOD: dict[str, Any] = {
@@ -118,7 +118,8 @@ def test_profile_handler_config_builds() -> None:
         profile_handler="two-profiles",
     )
     pipeline = build_pipeline(parse_config(data, "g.yaml"), registry(VllmAdapter))
-    assert pipeline.scheduler.handler is pipeline.plugins["two-profiles"]
+    assert pipeline.scheduler.handler is not None
+    assert isinstance(pipeline.scheduler.handler, TwoProfiles)
 
 
 @pytest.mark.parametrize(("text", "needle"), [

@@ -11,7 +11,7 @@ from middleware.errors import BadRequest
 from middleware.requests import parse_request, request_id
 from middleware.types import Api
 
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 def _parse(api: Api, body: Any, headers: dict[str, str] | None = None) -> Any:
@@ -19,7 +19,7 @@ def _parse(api: Api, body: Any, headers: dict[str, str] | None = None) -> Any:
     return parse_request(api, raw, headers or {}, "rid")
 
 
-BAD = [
+BAD: list[tuple[Api, Any, str, str | None]] = [
     (Api.CHAT, b"", "empty", None),
     (Api.CHAT, b"{not json", "not valid JSON", None),
     (Api.CHAT, b"\xff\xfe", "not valid JSON", None),

@@ -1,0 +1,260 @@
+"""The simulated engine's HTTP API (a Starlette ASGI app), vLLM-compatible.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE), ``GET
+/v1/models``, ``GET /health``, ``GET /metrics``, ``POST /reset_prefix_cache`` (as vLLM's dev
+endpoint), and the simulator's own ``GET|POST|DELETE /sim/faults`` (:mod:`engines.sim.faults`)
+and ``GET /sim/state``.
+
+Request path (one inference request): fault checks → parse (:mod:`engines.sim.protocol`) →
+:meth:`_Api.execute` hands the request to the engine according to the engine's ``role`` →
+the answer is rendered as JSON or SSE from the engine's :class:`RequestHandle`. A prefill-only
+role (answering with ``kv_transfer_params``) or a decode role (taking KV that a prefill engine
+transferred, counted as ``external_kv_transfer``) plugs in at :meth:`_Api.execute` and in
+:meth:`_Api.answer_json` for the extra response field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from engines.sim.config import SimConfig
+from engines.sim.engine import EngineDead, EngineOverloaded, RequestHandle, SimEngine
+from engines.sim.faults import FaultSpec, FaultState
+from engines.sim.metrics import render_metrics
+from engines.sim.protocol import (
+    SSE_DONE,
+    Api,
+    ApiError,
+    ParsedRequest,
+    Shaper,
+    Usage,
+    parse_request,
+    sse,
+)
+from engines.sim.scheduler import SeqSpec
+from engines.sim.streaming import EventStreamResponse, until_done_or_disconnect
+
+#: Largest request body accepted, in bytes (413 past it): a 32k-token prompt is ~130 KB of
+#: text or ~200 KB of token ids, so 16 MiB leaves room for anything sane.
+MAX_BODY_BYTES = 16 << 20
+_REQUEST_ID_HEADER = "x-request-id"
+
+
+@dataclass(frozen=True, slots=True)
+class SimHandles:
+    """What tests reach through ``app.state.sim``."""
+
+    config: SimConfig
+    engine: SimEngine
+    faults: FaultState
+
+
+def sim_handles(app: Starlette) -> SimHandles:
+    """The engine, faults and config behind an app made by :func:`create_sim_app`."""
+    handles = app.state.sim
+    assert isinstance(handles, SimHandles)
+    return handles
+
+
+def _error(exc: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+async def _read_json(request: Request) -> Any:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"invalid JSON body: {exc}") from None
+
+
+class _Api:
+    """Route handlers bound to one engine."""
+
+    def __init__(self, handles: SimHandles) -> None:
+        self.h = handles
+        self.config = handles.config
+        self.created = int(time.time())
+
+    # ---- inference --------------------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        return await self.inference(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self.inference(request, "completions")
+
+    async def inference(self, request: Request, api: Api) -> Response:
+        """One inference request: faults, parse, run, answer (see the module docstring)."""
+        request_id = request.headers.get(_REQUEST_ID_HEADER) or secrets.token_hex(16)
+        headers = {_REQUEST_ID_HEADER: request_id}
+        faults = self.h.faults
+        if faults.delay_first_byte_s > 0:
+            await asyncio.sleep(faults.delay_first_byte_s)
+        status = faults.take_failure()
+        if status is not None:
+            return _error(ApiError(status, "simulated engine failure (fault injection)"), headers)
+        try:
+            req = parse_request(api, await _read_json(request), self.config)
+            handle = self.execute(req, request_id)
+        except ApiError as exc:
+            return _error(exc, headers)
+        prefix = "chatcmpl-" if api == "chat" else "cmpl-"
+        shaper = Shaper(req, prefix + request_id, int(time.time()),
+                        self.config.enable_prompt_tokens_details)
+        if req.stream:
+            return EventStreamResponse(
+                self._sse_events(handle, shaper), handle.abort, faults.take_drop(), headers)
+        return await self.answer_json(request, handle, shaper, headers)
+
+    def execute(self, req: ParsedRequest, request_id: str) -> RequestHandle:
+        """Hand a parsed request to the engine. Role ``both``: prefill and decode locally."""
+        spec = SeqSpec(
+            request_id=request_id, prompt_ids=req.prompt_ids, max_tokens=req.max_tokens,
+            cache_salt=req.cache_salt, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+            seed=req.seed,
+        )
+        try:
+            return self.h.engine.submit(spec)
+        except (EngineOverloaded, EngineDead) as exc:
+            raise ApiError(503, str(exc)) from None
+
+    async def answer_json(
+        self, request: Request, handle: RequestHandle, shaper: Shaper, headers: dict[str, str]
+    ) -> Response:
+        """Wait for the whole completion (aborting it if the client leaves), answer JSON."""
+        tokens = await until_done_or_disconnect(request.receive, handle.result(), handle.abort)
+        if handle.finish_reason == "abort":
+            return _error(ApiError(503, "request aborted"), headers)
+        body = shaper.full(tokens, _usage(handle), handle.finish_reason)
+        return JSONResponse(body, headers=headers)
+
+    async def _sse_events(
+        self, handle: RequestHandle, shaper: Shaper
+    ) -> AsyncGenerator[bytes, None]:
+        """The SSE events of a stream; ends without ``[DONE]`` if the request was aborted."""
+        try:
+            first = True
+            async for tok in handle.tokens():
+                if first and shaper.req.api == "chat":
+                    yield sse(shaper.role_chunk())
+                first = False
+                yield sse(shaper.token_chunk(tok))
+            if handle.finish_reason in (None, "abort"):
+                return
+            if shaper.req.include_usage:
+                yield sse(shaper.usage_chunk(_usage(handle)))
+            yield SSE_DONE
+        finally:
+            handle.abort()  # no-op when finished; frees the request on any early exit
+
+    # ---- everything else --------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        data: list[dict[str, Any]] = [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "vllm",
+             "root": name, "parent": None, "max_model_len": self.config.effective_max_model_len,
+             "permission": []}
+            for name in self.config.served_model_names
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, request: Request) -> Response:
+        ok = self.h.faults.health and self.h.engine.healthy
+        return Response(status_code=200 if ok else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        return PlainTextResponse(
+            render_metrics(self.h.engine), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        if self.h.engine.reset_prefix_cache():
+            return JSONResponse({"reset": True})
+        return _error(ApiError(409, "cannot reset the prefix cache while requests hold blocks"))
+
+    async def faults(self, request: Request) -> Response:
+        state = self.h.faults
+        if request.method == "DELETE":
+            state.clear()
+        elif request.method == "POST":
+            try:
+                state.apply(FaultSpec.model_validate(await _read_json(request)))
+            except ApiError as exc:
+                return _error(exc)
+            except ValidationError as exc:
+                return _error(ApiError(400, str(exc)))
+        return JSONResponse(state.snapshot())
+
+    async def state(self, request: Request) -> Response:
+        engine = self.h.engine
+        cache = engine.scheduler.cache
+        publisher = engine.publisher
+        return JSONResponse({
+            "engine_id": self.config.engine_id,
+            "running": engine.num_running,
+            "waiting": engine.num_waiting,
+            "kv_cache_usage": cache.usage,
+            "cached_blocks": len(cache),
+            "used_blocks": cache.used_blocks,
+            "stats": asdict(engine.scheduler.stats),
+            "kv_events": None if publisher is None else {
+                "endpoint": publisher.endpoint, **asdict(publisher.stats)},
+        })
+
+
+def _usage(handle: RequestHandle) -> Usage:
+    return Usage(handle.prompt_tokens, handle.completion_tokens, handle.cached_tokens)
+
+
+def create_sim_app(config: SimConfig) -> Starlette:
+    """A vLLM-compatible simulated engine as an ASGI app.
+
+    The engine is built here but does no work until started: by the ASGI lifespan (uvicorn),
+    or lazily by the first request (e.g. under ``httpx.ASGITransport``, which runs no lifespan;
+    then close it with ``await sim_handles(app).engine.aclose()``). ``app.state.sim`` (see
+    :func:`sim_handles`) holds the engine, the fault state and the config;
+    ``app.state.engine`` is the engine itself.
+    """
+    handles = SimHandles(config=config, engine=SimEngine(config), faults=FaultState())
+    api = _Api(handles)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        handles.engine.start()
+        try:
+            yield
+        finally:
+            await handles.engine.aclose()
+
+    routes = [
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/health", api.health, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+        Route("/reset_prefix_cache", api.reset_prefix_cache, methods=["POST"]),
+        Route("/sim/faults", api.faults, methods=["GET", "POST", "DELETE"]),
+        Route("/sim/state", api.state, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.sim = handles
+    app.state.engine = handles.engine
+    return app

@@ -1,0 +1,418 @@
+"""Token-aware load: score engines by the prefill and decode work the gateway has in flight there.
+
+Two plugin types share one bookkeeping object, :class:`LoadTracker`:
+
+``token-load-scorer`` (Scorer, DispatchHook, CompletionHook, EndpointSetListener)
+    At dispatch it charges the request to the engines it goes to:
+
+    * prefill [tokens] — the *uncached* part of the prompt on the engine that prefills it: the
+      prompt's tokens (``len(TOKEN_IDS)`` when the tokenizer produced it, else
+      ``PREFIX_MATCH.prompt_tokens``, else the gateway's estimate) minus the tokens that engine
+      already holds (``PREFIX_MATCH``: device plus slower tiers; 0 when there is no match data);
+    * decode [tokens] — the expected output: ``max_completion_tokens`` or ``max_tokens`` capped
+      at ``max_output_tokens``, else ``default_output_tokens``, times ``n``.
+
+    With prefill/decode disaggregation the prefill charge goes to ``decision.prefill`` and the
+    decode charge to the target; otherwise both go to the target. Every outcome releases the
+    charge (CompletionHook); releasing is idempotent.
+
+    Score of an engine, given this request::
+
+        work(e)      = prefill(e) + decode_token_weight * decode(e)      # prefill-token equivalents
+        projected(e) = work(e) + uncached tokens of *this* request on e
+        score(e)     = 1 - projected(e) / max(saturation_tokens, max over candidates of projected)
+
+    Counting this request's own uncached tokens folds the prefix-cache saving into the load
+    signal: a busy engine holding the prefix can still beat an idle one that must prefill it all.
+    ``saturation_tokens`` is the floor of the scale, so that small absolute differences on a
+    quiet fleet (0 vs 300 tokens) do not swing the score from 1 to 0.
+
+``token-imbalance-filter`` (Filter)
+    The hard guard against hot spots: drops candidates whose load exceeds
+    ``max_imbalance * mean + slack_tokens`` (mean over the candidates it is given). It is a
+    filter, not a scorer term, because scores are a weighted sum: a strong prefix match would
+    outweigh any bounded load term, so a hot shared prefix could still pull every request onto
+    one engine. The engine with the least load always passes (it is at most the mean), so the
+    filter never empties the candidate set.
+
+Bounded state: one :class:`EngineLoad` per engine (removed with the engine) and one entry per
+in-flight dispatch, at most ``max_entries`` (the oldest is released and counted as evicted when
+full). Entries older than ``max_age_s`` are swept (released and counted) on each dispatch and
+completion: a completion hook that never ran (a later dispatch hook raised) cannot leak load.
+Entries are keyed by a per-dispatch ticket kept in the request's state (the request id is
+recorded with it), so two concurrent requests that reuse a client ``x-request-id`` never release
+each other's load, and a retried request is charged once per dispatch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from middleware.errors import ConfigError
+from middleware.plugin import (
+    CompletionHook,
+    DispatchHook,
+    EndpointSetListener,
+    Filter,
+    Plugin,
+    PluginLookup,
+    Scorer,
+)
+from middleware.types import (
+    CycleState,
+    Endpoint,
+    EndpointId,
+    InferenceRequest,
+    Outcome,
+    RoutingDecision,
+    StateKey,
+)
+from plugins.state import PREFIX_MATCH, TOKEN_IDS, PrefixMatch
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """In-flight load on one engine, in tokens (``requests``: dispatches)."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    requests: int = 0
+
+    def work(self, decode_token_weight: float) -> float:
+        """Prefill-token equivalents: prefill + decode_token_weight * decode."""
+        return self.prefill_tokens + decode_token_weight * self.decode_tokens
+
+    def plus(self, charge: Charge, sign: int) -> EngineLoad:
+        """This load with ``charge`` added (sign 1) or removed (sign -1), never below 0."""
+        return EngineLoad(
+            max(0, self.prefill_tokens + sign * charge.prefill_tokens),
+            max(0, self.decode_tokens + sign * charge.decode_tokens),
+            max(0, self.requests + sign),
+        )
+
+
+IDLE = EngineLoad()
+
+
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """What one dispatch puts on one engine, in tokens."""
+
+    endpoint: EndpointId
+    prefill_tokens: int
+    decode_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    request_id: str
+    charges: tuple[Charge, ...]
+    at: float
+
+
+@dataclass(slots=True)
+class LoadStats:
+    """Counters for tests and operators."""
+
+    charged: int = 0
+    released: int = 0
+    repeated_releases: int = 0
+    swept: int = 0
+    evicted: int = 0
+
+
+class LoadTracker:
+    """Per-engine in-flight token load. Pure bookkeeping: the caller passes the time.
+
+    Entries live in a dict in charge order (tickets increase, times never decrease), so the
+    oldest is always first: sweeping and eviction pop from the front, O(1) each.
+    """
+
+    def __init__(self, max_entries: int, max_age_s: float) -> None:
+        self.max_entries = max_entries
+        self.max_age_s = max_age_s
+        self.stats = LoadStats()
+        self._entries: dict[int, _Entry] = {}
+        self._loads: dict[EndpointId, EngineLoad] = {}
+        self._tickets = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def load(self, endpoint: EndpointId) -> EngineLoad:
+        return self._loads.get(endpoint, IDLE)
+
+    def charge(self, request_id: str, charges: Sequence[Charge], now: float) -> int:
+        """Add a dispatch's charges; returns its ticket for :meth:`release`."""
+        self.sweep(now)
+        while len(self._entries) >= self.max_entries:
+            self._drop_oldest()
+            self.stats.evicted += 1
+        ticket = next(self._tickets)
+        entry = _Entry(request_id, tuple(charges), now)
+        self._entries[ticket] = entry
+        self._apply(entry, 1)
+        self.stats.charged += 1
+        return ticket
+
+    def release(self, ticket: int) -> bool:
+        """Remove a dispatch's charges; False (and nothing changes) if already released."""
+        entry = self._entries.pop(ticket, None)
+        if entry is None:
+            self.stats.repeated_releases += 1
+            return False
+        self._apply(entry, -1)
+        self.stats.released += 1
+        return True
+
+    def sweep(self, now: float) -> int:
+        """Release entries charged more than ``max_age_s`` ago; returns how many."""
+        cutoff = now - self.max_age_s
+        swept = 0
+        while self._entries:
+            ticket, entry = next(iter(self._entries.items()))
+            if entry.at > cutoff:
+                break
+            del self._entries[ticket]
+            self._apply(entry, -1)
+            swept += 1
+        self.stats.swept += swept
+        return swept
+
+    def forget(self, endpoints: Sequence[EndpointId]) -> None:
+        """Drop removed engines' totals (their pending releases then clamp at 0)."""
+        for endpoint in endpoints:
+            self._loads.pop(endpoint, None)
+
+    def _drop_oldest(self) -> None:
+        ticket = next(iter(self._entries))
+        self._apply(self._entries.pop(ticket), -1)
+
+    def _apply(self, entry: _Entry, sign: int) -> None:
+        for charge in entry.charges:
+            current = self._loads.get(charge.endpoint, IDLE)
+            updated = current.plus(charge, sign)
+            if updated == IDLE:
+                self._loads.pop(charge.endpoint, None)
+            else:
+                self._loads[charge.endpoint] = updated
+
+
+# -- pure helpers ------------------------------------------------------------------------------
+
+
+def prompt_tokens(req: InferenceRequest, state: CycleState) -> int:
+    """The prompt's size in tokens: tokenizer output, else prefix-match's count, else estimate."""
+    ids = state.get(TOKEN_IDS)
+    if ids is not None:
+        return len(ids)
+    match = state.get(PREFIX_MATCH)
+    if match is not None:
+        return match.prompt_tokens
+    return req.prompt_token_estimate
+
+
+def uncached_tokens(prompt: int, match: PrefixMatch | None, endpoint: EndpointId) -> int:
+    """Prompt tokens the engine must compute: those it does not hold on any tier."""
+    if match is None:
+        return prompt
+    held = match.device.get(endpoint, 0) + match.other.get(endpoint, 0)
+    return max(0, prompt - held)
+
+
+def _int_field(body: Mapping[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+def expected_output_tokens(body: Mapping[str, Any], default: int, cap: int) -> int:
+    """Output tokens to expect: the client's limit capped at ``cap``, else ``default``; * n."""
+    limit = _int_field(body, "max_completion_tokens")
+    if limit is None:
+        limit = _int_field(body, "max_tokens")
+    per_choice = default if limit is None else min(limit, cap)
+    return per_choice * max(1, _int_field(body, "n") or 1)
+
+
+def load_scores(
+    projected: Mapping[EndpointId, float], saturation: float
+) -> dict[EndpointId, float]:
+    """1 - projected / max(saturation, largest projected)."""
+    scale = max(saturation, max(projected.values(), default=0.0))
+    return {ep: 1.0 - value / scale for ep, value in projected.items()}
+
+
+def within_bound(loads: Mapping[EndpointId, float], factor: float, slack: float) -> set[EndpointId]:
+    """Endpoints whose load is at most ``factor * mean + slack``."""
+    if not loads:
+        return set()
+    bound = factor * (sum(loads.values()) / len(loads)) + slack
+    return {ep for ep, load in loads.items() if load <= bound}
+
+
+# -- plugins -----------------------------------------------------------------------------------
+
+
+class TokenLoadScorer(Plugin, Scorer, DispatchHook, CompletionHook, EndpointSetListener):
+    """Scores engines by in-flight prefill + decode tokens (see the module docstring).
+
+    Params (units in brackets):
+
+    * ``decode_token_weight`` [prefill tokens per decode token] — 4: on the H100 calibration of
+      the simulator (docs/simulator.md) one prefill token costs ~23 µs of compute, and one decode
+      token at ~2k context ~23 µs of GEMM plus ~90 µs of KV reads (2k * 0.044 µs): ≈ 4.8.
+      Rounded down because part of a decode step (the weight read) is shared by the batch.
+    * ``default_output_tokens`` [tokens] — expected output when the client sets no limit (256:
+      a typical chat answer).
+    * ``max_output_tokens`` [tokens] — cap on a client's ``max_tokens`` as an expectation (4096:
+      clients often send the model's maximum while answers stay far shorter).
+    * ``saturation_tokens`` [prefill-token equivalents] — load scoring 0 on a quiet fleet
+      (32768 ≈ 0.75 s of H100 prefill for an 8B model: a queue worth avoiding).
+    * ``max_age_s`` [s] — charges older than this are swept (900: above the default 600 s
+      request timeout, so only leaked charges are swept).
+    * ``max_entries`` [dispatches] — cap on tracked in-flight dispatches (65536 ≈ 6 MB).
+    """
+
+    type_name = "token-load-scorer"
+    example_params: ClassVar[Mapping[str, object]] = {
+        "decode_token_weight": 4.0,
+        "saturation_tokens": 32768,
+    }
+
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid", frozen=True)
+
+        decode_token_weight: float = Field(default=4.0, ge=0.0)
+        default_output_tokens: int = Field(default=256, ge=0)
+        max_output_tokens: int = Field(default=4096, ge=1)
+        saturation_tokens: int = Field(default=32768, ge=1)
+        max_age_s: float = Field(default=900.0, gt=0.0)
+        max_entries: int = Field(default=65536, ge=1)
+
+    def __init__(self, name: str, params: BaseModel, plugins: PluginLookup) -> None:
+        super().__init__(name, params, plugins)
+        assert isinstance(params, TokenLoadScorer.Params)
+        self.p = params
+        self.tracker = LoadTracker(params.max_entries, params.max_age_s)
+        #: Monotonic clock; tests replace it.
+        self.clock = time.monotonic
+        self._ticket: StateKey[int] = StateKey(f"{name}/ticket")
+
+    def work(self, endpoint: EndpointId) -> float:
+        """In-flight prefill-token equivalents on an engine."""
+        return self.tracker.load(endpoint).work(self.p.decode_token_weight)
+
+    # Scorer
+    def score(
+        self, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]
+    ) -> Mapping[EndpointId, float]:
+        prompt = prompt_tokens(req, state)
+        match = state.get(PREFIX_MATCH)
+        projected = {
+            ep.id: self.work(ep.id) + uncached_tokens(prompt, match, ep.id) for ep in eps
+        }
+        return load_scores(projected, float(self.p.saturation_tokens))
+
+    def charges(
+        self, req: InferenceRequest, state: CycleState, decision: RoutingDecision
+    ) -> tuple[Charge, ...]:
+        """What this dispatch puts on which engine."""
+        prompt = prompt_tokens(req, state)
+        match = state.get(PREFIX_MATCH)
+        decode = expected_output_tokens(
+            req.body, self.p.default_output_tokens, self.p.max_output_tokens
+        )
+        target = decision.target.id
+        prefill_ep = decision.prefill.id if decision.prefill is not None else target
+        prefill = uncached_tokens(prompt, match, prefill_ep)
+        if prefill_ep == target:
+            return (Charge(target, prefill, decode),)
+        return (Charge(prefill_ep, prefill, 0), Charge(target, 0, decode))
+
+    # DispatchHook
+    async def before_dispatch(
+        self, req: InferenceRequest, state: CycleState, decision: RoutingDecision
+    ) -> None:
+        previous = state.get(self._ticket)
+        if previous is not None:  # a retry whose first dispatch was not completed
+            self.tracker.release(previous)
+        charges = self.charges(req, state, decision)
+        state.put(self._ticket, self.tracker.charge(req.request_id, charges, self.clock()))
+
+    # CompletionHook
+    async def on_complete(
+        self, req: InferenceRequest, state: CycleState, target: Endpoint, outcome: Outcome
+    ) -> None:
+        ticket = state.get(self._ticket)
+        if ticket is not None:
+            self.tracker.release(ticket)
+        self.tracker.sweep(self.clock())
+
+    # EndpointSetListener
+    def on_endpoints_changed(
+        self, added: Sequence[Endpoint], removed: Sequence[Endpoint]
+    ) -> None:
+        self.tracker.forget([ep.id for ep in removed])
+
+
+class TokenImbalanceFilter(Plugin, Filter):
+    """Drops engines loaded more than ``max_imbalance * mean + slack_tokens``.
+
+    Reads the in-flight load of a ``token-load-scorer`` declared before it (``load_scorer``).
+
+    Params (units in brackets):
+
+    * ``load_scorer`` — name of that token-load-scorer instance.
+    * ``measure`` — ``total`` (prefill + weighted decode: the engine's whole queue; default,
+      because requests that hit a hot prefix carry little prefill and pile up as decode work) or
+      ``prefill`` (uncached prefill tokens only: bounds the prefill-load imbalance alone).
+    * ``max_imbalance`` [ratio ≥ 1] — 1.25: the same bound as bounded-load hashing in the
+      session scorer; with N engines it caps the hottest at 25 % above the mean.
+    * ``slack_tokens`` [prefill-token equivalents] — 4096: about one long prompt (≈ 0.1 s of H100
+      prefill for an 8B model); below that, imbalance costs no noticeable latency, and a single
+      request on an idle fleet must not trip the guard.
+    """
+
+    type_name = "token-imbalance-filter"
+    example_params: ClassVar[Mapping[str, object]] = {
+        "load_scorer": "token-load-scorer",
+        "max_imbalance": 1.25,
+        "slack_tokens": 4096,
+    }
+
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid", frozen=True)
+
+        load_scorer: str = "token-load-scorer"
+        measure: Literal["total", "prefill"] = "total"
+        max_imbalance: float = Field(default=1.25, ge=1.0)
+        slack_tokens: int = Field(default=4096, ge=0)
+
+    def __init__(self, name: str, params: BaseModel, plugins: PluginLookup) -> None:
+        super().__init__(name, params, plugins)
+        assert isinstance(params, TokenImbalanceFilter.Params)
+        self.p = params
+        scorer = plugins.lookup(params.load_scorer)
+        if not isinstance(scorer, TokenLoadScorer):
+            raise ConfigError(f"load_scorer {params.load_scorer!r} is not a token-load-scorer")
+        self.scorer = scorer
+
+    def _load(self, endpoint: EndpointId) -> float:
+        if self.p.measure == "prefill":
+            return float(self.scorer.tracker.load(endpoint).prefill_tokens)
+        return self.scorer.work(endpoint)
+
+    def filter(
+        self, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]
+    ) -> Sequence[Endpoint]:
+        loads = {ep.id: self._load(ep.id) for ep in eps}
+        keep = within_bound(loads, self.p.max_imbalance, float(self.p.slack_tokens))
+        return [ep for ep in eps if ep.id in keep]

@@ -1,0 +1,96 @@
+"""Session affinity and token load inside the real request path: create_app in front of two
+in-process simulated engines (no sleeping: time_scale 0)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from engines.sim.config import SimConfig
+from engines.sim.testing import serve_sim
+from engines.vllm import VllmAdapter
+from middleware.app import KvgateApp, create_app
+from middleware.config import parse_config
+from middleware.registry import Registry
+from plugins.session_affinity import SessionAffinityScorer
+from plugins.token_load import TokenImbalanceFilter, TokenLoadScorer
+from tests.unit.middleware.fakes import Best
+
+SES = "ses_f84c6ba38ffe6UeTRaX25G3KTr"
+
+
+def _config(urls: list[str]) -> dict[str, Any]:
+    return {
+        "engines": [{"name": f"e{i}", "url": url, "models": ["sim-model"]}
+                    for i, url in enumerate(urls)],
+        "plugins": [
+            {"type": "session-affinity-scorer"},
+            {"type": "token-load-scorer"},
+            {"type": "token-imbalance-filter"},
+            {"type": "best"},
+        ],
+        "profiles": [{"name": "default", "plugins": [
+            {"ref": "token-imbalance-filter"},
+            {"ref": "session-affinity-scorer", "weight": 2},
+            {"ref": "token-load-scorer", "weight": 1},
+            {"ref": "best"},
+        ]}],
+    }
+
+
+@contextlib.asynccontextmanager
+async def _gateway() -> AsyncIterator[tuple[KvgateApp, httpx.AsyncClient]]:
+    sim = SimConfig(time_scale=0)
+    async with serve_sim(sim) as a, serve_sim(sim) as b:
+        registry = Registry(
+            plugins={c.type_name: c for c in
+                     (SessionAffinityScorer, TokenLoadScorer, TokenImbalanceFilter, Best)},
+            engines={"vllm": VllmAdapter},
+        )
+        app = create_app(parse_config(_config([a.url, b.url]), "test"), registry)
+        transport = httpx.ASGITransport(app=app)
+        async with app.running(), httpx.AsyncClient(
+            transport=transport, base_url="http://gw"
+        ) as client:
+            yield app, client
+
+
+def _body(i: int, stream: bool = False) -> dict[str, Any]:
+    return {"model": "sim-model", "max_tokens": 4, "stream": stream,
+            "messages": [{"role": "user", "content": f"turn {i}"}]}
+
+
+async def test_session_sticks_echoes_and_releases_load() -> None:
+    async with _gateway() as (app, client):
+        engines = set()
+        for i in range(6):
+            resp = await client.post("/v1/chat/completions", json=_body(i, stream=i % 2 == 1),
+                                     headers={"X-Session-Affinity": SES})
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-session-affinity"] == SES
+            engines.add(resp.headers["x-kvgate-engine"])
+        assert len(engines) == 1
+        scorer = app.pipeline.plugins["token-load-scorer"]
+        assert isinstance(scorer, TokenLoadScorer)
+        assert len(scorer.tracker) == 0
+        assert scorer.tracker.stats.charged == scorer.tracker.stats.released == 6
+
+
+async def test_bad_session_header_is_400() -> None:
+    async with _gateway() as (_, client):
+        resp = await client.post("/v1/chat/completions", json=_body(0),
+                                 headers={"x-session-id": "x" * 300})
+        assert resp.status_code == 400
+        error = resp.json()["error"]
+        assert error["param"] == "x-session-id"
+        assert error["type"] == "invalid_request_error"
+
+
+async def test_no_session_header_no_echo() -> None:
+    async with _gateway() as (_, client):
+        resp = await client.post("/v1/chat/completions", json=_body(0))
+        assert resp.status_code == 200
+        assert "x-session-affinity" not in resp.headers
