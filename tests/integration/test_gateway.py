@@ -4,6 +4,7 @@ retries, every error status, mid-stream failure, and in-flight counters released
 from __future__ import annotations
 
 import asyncio
+import logging
 import json
 from typing import Any
 
@@ -221,3 +222,17 @@ async def test_engine_dies_mid_stream(fleet: list[RunningSim]) -> None:
         assert _sse_events(ok.text)[-1] == "[DONE]"
         assert 'stage="mid_stream"' in (await client.get("/metrics")).text
         assert _in_flight(app) == [0, 0]
+
+
+async def test_authorization_never_logged(fleet: list[RunningSim],
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    secret = "sk-live-SECRET-1234"
+    async with gateway(gateway_config([s.url for s in fleet])) as (_, client):
+        for sim in fleet:
+            sim.faults.apply(FaultSpec(fail_next=1, status=500))
+        for body in (CHAT, {"model": "x"}, CHAT):
+            await client.post("/v1/chat/completions", json=body,
+                              headers={"authorization": f"Bearer {secret}"})
+    assert "retrying" in caplog.text  # something was logged on the error path
+    assert secret not in caplog.text
