@@ -21,6 +21,7 @@ from middleware.errors import HTTPError, MethodNotAllowed, NotFound
 from middleware.gateway import Gateway
 from middleware.metrics import GatewayMetrics
 from middleware.pipeline import build_pipeline
+from middleware.plugin import MetricsSource
 from middleware.pool import EndpointPool
 from middleware.registry import Registry
 from middleware.types import Api
@@ -41,6 +42,9 @@ class KvgateApp:
             config.engines, self.pipeline.adapters, config.pool, self.pipeline.listeners
         )
         self.metrics = GatewayMetrics(self.pool.snapshot)
+        for plugin in self.pipeline.plugins.values():
+            if isinstance(plugin, MetricsSource):
+                self.metrics.registry.register(plugin.collector())
         self.gateway = Gateway(config, self.pipeline, self.pool, self.metrics)
         self.started_at = int(time.time())
         self._session: aiohttp.ClientSession | None = None

@@ -10,6 +10,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import ClassVar, Protocol, runtime_checkable
 
+from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict
 
 from middleware.types import (
@@ -165,6 +166,13 @@ class Lifecycle(Protocol):
     async def stop(self) -> None: ...
 
 
+@runtime_checkable
+class MetricsSource(Protocol):
+    """Plugins exporting Prometheus metrics: the app registers the collector in its registry."""
+
+    def collector(self) -> Collector: ...
+
+
 SLOTS: Mapping[str, type] = {
     "filter": Filter,
     "scorer": Scorer,
@@ -177,6 +185,7 @@ SLOTS: Mapping[str, type] = {
     "completion-hook": CompletionHook,
     "endpoint-set-listener": EndpointSetListener,
     "lifecycle": Lifecycle,
+    "metrics-source": MetricsSource,
 }
 
 

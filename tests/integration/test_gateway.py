@@ -4,8 +4,8 @@ retries, every error status, mid-stream failure, and in-flight counters released
 from __future__ import annotations
 
 import asyncio
-import logging
 import json
+import logging
 from typing import Any
 
 import httpx

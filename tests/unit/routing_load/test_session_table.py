@@ -21,6 +21,10 @@ from middleware.types import CycleState, Endpoint, RoutingDecision
 from plugins.session_affinity import SessionAffinityScorer, hrw_order, session_key
 from tests.unit.routing_load.helpers import FakeClock, ep, fleet, req, session_scorer
 
+#: Bound on one Redis call against the live test server: generous, because CI machines are
+#: loaded (the 50 ms production default is about LAN round trips, not a busy 2-core VM).
+LIVE_TIMEOUT_S = 2.0
+
 pytest.importorskip("redis", reason="the 'redis' package is not installed (kvgate[redis])")
 REDIS_SERVER = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(
@@ -88,7 +92,8 @@ def redis_server() -> Iterator[RedisServer]:
 
 @pytest.fixture
 async def scorer(redis_server: RedisServer) -> AsyncIterator[SessionAffinityScorer]:
-    plugin = session_scorer(redis_url=redis_server.url, ttl_s=0.5, redis_retry_s=5.0)
+    plugin = session_scorer(redis_url=redis_server.url, ttl_s=0.5, redis_retry_s=5.0,
+                            redis_timeout_s=LIVE_TIMEOUT_S)
     await plugin.start()
     try:
         yield plugin
@@ -130,8 +135,8 @@ async def test_pin_follows_the_actual_placement(scorer: SessionAffinityScorer) -
 
 
 async def test_pin_shared_by_replicas(redis_server: RedisServer) -> None:
-    a = session_scorer(redis_url=redis_server.url)
-    b = session_scorer(redis_url=redis_server.url)
+    a = session_scorer(redis_url=redis_server.url, redis_timeout_s=LIVE_TIMEOUT_S)
+    b = session_scorer(redis_url=redis_server.url, redis_timeout_s=LIVE_TIMEOUT_S)
     await a.start()
     await b.start()
     try:
@@ -213,7 +218,8 @@ async def test_unreachable_redis_never_fails_requests() -> None:
 
 
 async def test_pending_writes_are_bounded(redis_server: RedisServer) -> None:
-    plugin = session_scorer(redis_url=redis_server.url, max_pending_writes=2)
+    plugin = session_scorer(redis_url=redis_server.url, max_pending_writes=2,
+                            redis_timeout_s=LIVE_TIMEOUT_S)
     await plugin.start()
     try:
         assert plugin.table is not None

@@ -1,0 +1,433 @@
+"""A bounded index of which engine holds which KV-cache block, keyed by kvgate's own block hash.
+
+Hashing
+    Engines' own block hashes cannot be recomputed outside the engine (vLLM seeds its root hash
+    randomly per process and its default digest hashes a pickle), so every block is re-keyed with
+    kvgate's own deterministic chained hash: ``h_i = blake2b-64(h_{i-1} || n_i || tokens_i ||
+    extra_i)`` with ``tokens_i`` the block's token ids as little-endian uint32, ``n_i`` their count
+    and ``extra_i`` the block's extra keys (vLLM's per-block ``extra_keys``: LoRA name, then
+    ``cache_salt`` on the first block) packed with msgpack. The chain starts from
+    ``h_{-1} = blake2b-64("kvgate-kv-v1", group_idx)``, so blocks of different KV-cache groups never
+    collide. A block's hash therefore names the whole prefix up to and including it, exactly like
+    the engine's. Only full blocks are hashed (engines only cache full blocks).
+
+Holders
+    A *holder* is one KV cache: an engine id, or ``"<engine>#dp<r>"`` for data-parallel rank
+    ``r > 0`` (each rank has its own cache). Per holder the index keeps an LRU-ordered map own-hash
+    -> :class:`Hold` (tiers held as a bit set, the engine's hash for removals, an expiry time) and
+    a map (group, engine-hash) -> own-hash to resolve removals and parent links.
+
+Bounds and eviction
+    ``capacity_blocks`` bounds the total number of (holder, block) pairs. When it is exceeded the
+    least recently used block of the *largest* holder is dropped, so one busy engine cannot push
+    the others' entries out. ``holder_capacity_blocks`` (optional) bounds each holder on its own,
+    which lets the approximate mode mirror an engine's LRU cache. Engines emit nothing on a cache
+    hit, so a successful :meth:`KvIndex.match` refreshes the matched blocks' recency; blocks are
+    refreshed tail first, root last, so that eviction takes a chain's tail before its root (a
+    dropped root would make every descendant unmatchable). Holds with an expiry (speculative or
+    approximate records) are treated as absent once expired and dropped when met.
+
+Nothing here does I/O; the index is single-threaded (owned by the event loop).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from hashlib import blake2b
+from typing import Any
+
+import msgpack
+
+#: Tier bits of a hold.
+DEVICE = 1
+OTHER = 2
+#: ``medium`` values that mean device (accelerator) memory; vLLM reports "GPU" (also on CPU
+#: builds), and older engines omit the field, which vLLM documents as GPU.
+DEVICE_MEDIA = frozenset({"GPU", None})
+_ROOT_TAG = b"kvgate-kv-v1"
+_NEVER = math.inf
+
+HolderId = str
+EngineHash = int | bytes
+ExtraKeys = tuple[Any, ...] | None
+
+
+class HashingError(ValueError):
+    """Token ids or extra keys that cannot be hashed (negative or >= 2**32 ids, odd types)."""
+
+
+def holder_id(engine: str, dp_rank: int | None) -> HolderId:
+    """The holder key of an engine's data-parallel rank (rank 0 and unknown: the engine id)."""
+    return engine if not dp_rank else f"{engine}#dp{dp_rank}"
+
+
+def engine_of(holder: HolderId) -> str:
+    """The engine id of a holder key."""
+    return holder.partition("#")[0]
+
+
+def tier_of(medium: str | None) -> int:
+    return DEVICE if medium in DEVICE_MEDIA else OTHER
+
+
+def root_hash(group_idx: int) -> int:
+    digest = blake2b(_ROOT_TAG + group_idx.to_bytes(4, "little", signed=True), digest_size=8)
+    return int.from_bytes(digest.digest(), "little")
+
+
+def request_extra_keys(n_blocks: int, lora: str | None, cache_salt: str | None) -> list[ExtraKeys]:
+    """The extra keys vLLM attaches to a text prompt's blocks: LoRA name on every block, then
+    ``cache_salt`` on the first block only (``None`` for a block without any)."""
+    base: tuple[Any, ...] = (lora,) if lora else ()
+    out: list[ExtraKeys] = [base or None] * n_blocks
+    if n_blocks and cache_salt:
+        out[0] = (*base, cache_salt)
+    return out
+
+
+def chain_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    parent: int | None = None,
+    group_idx: int = 0,
+    extra_keys: Sequence[ExtraKeys] | None = None,
+) -> list[int]:
+    """Own hashes of the full blocks of ``token_ids`` (see the module docstring).
+
+    ``parent`` continues an existing chain (default: the group's root). ``extra_keys`` gives one
+    entry per block (missing entries count as ``None``).
+    """
+    if block_size <= 0:
+        raise HashingError(f"block size must be positive, got {block_size}")
+    n_blocks = len(token_ids) // block_size
+    try:
+        data = struct.pack(f"<{n_blocks * block_size}I", *token_ids[: n_blocks * block_size])
+    except struct.error as exc:
+        raise HashingError(f"token ids must be in [0, 2**32): {exc}") from None
+    prev = (root_hash(group_idx) if parent is None else parent).to_bytes(8, "little")
+    width = 4 * block_size
+    count = block_size.to_bytes(4, "little")
+    out: list[int] = []
+    for i in range(n_blocks):  # one blake2b call per block: ~1 us, the cost of this function
+        extra = extra_keys[i] if extra_keys is not None and i < len(extra_keys) else None
+        tail = _pack_extra(extra) if extra else b""
+        prev = blake2b(prev + count + data[i * width : (i + 1) * width] + tail,
+                       digest_size=8).digest()
+        out.append(int.from_bytes(prev, "little"))
+    return out
+
+
+def _pack_extra(extra: tuple[Any, ...]) -> bytes:
+    try:
+        packed: bytes = msgpack.packb(list(extra), use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise HashingError(f"extra keys cannot be hashed: {exc}") from None
+    return packed
+
+
+class Hold:
+    """One holder's copy of one block."""
+
+    __slots__ = ("ekey", "expires", "tiers")
+
+    def __init__(self, tiers: int, expires: float, ekey: tuple[int, EngineHash] | None) -> None:
+        self.tiers = tiers
+        self.expires = expires
+        #: (group, engine hash) when the block is known from an event; None for records.
+        self.ekey = ekey
+
+
+class _Holder:
+    __slots__ = ("block_sizes", "blocks", "by_ehash")
+
+    def __init__(self) -> None:
+        self.blocks: OrderedDict[int, Hold] = OrderedDict()
+        self.by_ehash: dict[tuple[int, EngineHash], int] = {}
+        self.block_sizes: dict[int, int] = {}
+
+
+@dataclass(slots=True)
+class IndexStats:
+    """Counters (monotonic) of an index."""
+
+    stored_blocks: int = 0
+    removed_blocks: int = 0
+    orphan_blocks: int = 0  # stored blocks whose parent the index does not know
+    unknown_removals: int = 0
+    evicted_blocks: int = 0
+    expired_blocks: int = 0
+    resets: int = 0
+
+
+class KvIndex:
+    """Which holder has which block, bounded (see the module docstring).
+
+    Parameters:
+        capacity_blocks: most (holder, block) pairs kept, all holders together.
+        holder_capacity_blocks: most blocks kept per holder (None: only the global bound).
+        default_block_size: tokens per block assumed for a holder that has reported none yet.
+    """
+
+    def __init__(
+        self,
+        capacity_blocks: int,
+        holder_capacity_blocks: int | None = None,
+        default_block_size: int = 16,
+    ) -> None:
+        if capacity_blocks <= 0 or default_block_size <= 0:
+            raise ValueError("capacity and block size must be positive")
+        self.capacity_blocks = capacity_blocks
+        self.holder_capacity_blocks = holder_capacity_blocks
+        self.default_block_size = default_block_size
+        self.stats = IndexStats()
+        self._holders: dict[HolderId, _Holder] = {}
+        self._size = 0
+
+    # -- reading ------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._size
+
+    def holders(self) -> tuple[HolderId, ...]:
+        return tuple(self._holders)
+
+    def blocks_of(self, holder: HolderId) -> int:
+        h = self._holders.get(holder)
+        return 0 if h is None else len(h.blocks)
+
+    def block_size(self, holder: HolderId, group_idx: int = 0) -> int:
+        h = self._holders.get(holder)
+        size = None if h is None else h.block_sizes.get(group_idx)
+        return self.default_block_size if size is None else size
+
+    def block_sizes(self, group_idx: int = 0) -> frozenset[int]:
+        """Block sizes the holders use for ``group_idx`` (holders that have reported none use
+        the default)."""
+        return frozenset(
+            h.block_sizes.get(group_idx, self.default_block_size) for h in self._holders.values()
+        )
+
+    def match(
+        self,
+        hashes_by_size: Mapping[int, Sequence[int]],
+        now: float,
+        group_idx: int = 0,
+        holders: Iterable[HolderId] | None = None,
+    ) -> dict[HolderId, tuple[int, int]]:
+        """Longest held prefix per holder: ``holder -> (device_tokens, other_tokens)``.
+
+        ``hashes_by_size[bs]`` are the prompt's own hashes for block size ``bs``; each holder is
+        matched with its own block size. ``device_tokens`` is the leading run held on the device
+        tier; ``other_tokens`` what the longest held run adds beyond it. Holders without a match
+        are left out. Matched blocks are refreshed (see the module docstring).
+        """
+        out: dict[HolderId, tuple[int, int]] = {}
+        for hid in self._holders if holders is None else holders:
+            holder = self._holders.get(hid)
+            if holder is None:
+                continue
+            size = holder.block_sizes.get(group_idx, self.default_block_size)
+            hashes = hashes_by_size.get(size)
+            if not hashes:
+                continue
+            device, total = self._match_one(holder, hashes, now)
+            if total:
+                out[hid] = (device * size, (total - device) * size)
+        return out
+
+    def match_tokens(
+        self,
+        token_ids: Sequence[int],
+        now: float,
+        *,
+        block_size: int | None = None,
+        lora: str | None = None,
+        cache_salt: str | None = None,
+        group_idx: int = 0,
+    ) -> dict[HolderId, tuple[int, int]]:
+        """:meth:`match` for a token-id prompt, hashed the way vLLM keys a text prompt's blocks
+        (``block_size`` None: each holder's own block size)."""
+        sizes = self.block_sizes(group_idx) if block_size is None else frozenset({block_size})
+        hashes = {
+            size: chain_hashes(
+                token_ids, size, group_idx=group_idx,
+                extra_keys=request_extra_keys(len(token_ids) // size, lora, cache_salt),
+            )
+            for size in sizes
+        }
+        return self.match(hashes, now, group_idx)
+
+    def _match_one(self, holder: _Holder, hashes: Sequence[int], now: float) -> tuple[int, int]:
+        blocks = holder.blocks
+        get = blocks.get
+        device = total = 0
+        on_device = True
+        for h in hashes:
+            hold = get(h)
+            if hold is None:
+                break
+            if hold.expires <= now:
+                self._drop(holder, h)
+                self.stats.expired_blocks += 1
+                break
+            if on_device and not hold.tiers & DEVICE:
+                on_device = False
+            device += on_device
+            total += 1
+        refresh = blocks.move_to_end
+        for i in range(total - 1, -1, -1):  # tail first: the root ends up most recent
+            refresh(hashes[i])
+        return device, total
+
+    # -- event updates ------------------------------------------------------------------
+    def store(
+        self,
+        holder_key: HolderId,
+        engine_hashes: Sequence[EngineHash],
+        parent: EngineHash | None,
+        token_ids: Sequence[int],
+        block_size: int,
+        *,
+        medium: str | None = None,
+        group_idx: int = 0,
+        extra_keys: Sequence[ExtraKeys] | None = None,
+    ) -> int:
+        """Apply a ``BlockStored``: consecutive blocks of one chain after ``parent``.
+
+        Returns how many blocks were indexed: 0 when the parent is unknown (the chain cannot be
+        re-keyed; counted as orphans). Raises :class:`HashingError` for bad token ids.
+        """
+        holder = self._holder(holder_key)
+        parent_own: int | None = None
+        if parent is not None:
+            parent_own = holder.by_ehash.get((group_idx, parent))
+            if parent_own is None:
+                self.stats.orphan_blocks += len(engine_hashes)
+                return 0
+        own = chain_hashes(
+            token_ids, block_size, parent=parent_own, group_idx=group_idx, extra_keys=extra_keys
+        )
+        holder.block_sizes[group_idx] = block_size
+        tier = tier_of(medium)
+        pairs = list(zip(engine_hashes, own, strict=False))
+        for ehash, h in reversed(pairs):  # tail first: the root ends up most recent
+            self._put_event_hold(holder, (group_idx, ehash), h, tier)
+        self.stats.stored_blocks += len(pairs)
+        self._enforce(holder)
+        return len(pairs)
+
+    def _put_event_hold(
+        self, holder: _Holder, ekey: tuple[int, EngineHash], h: int, tier: int
+    ) -> None:
+        old = holder.by_ehash.get(ekey)
+        if old is not None and old != h:
+            self._drop(holder, old)
+        hold = holder.blocks.get(h)
+        if hold is None:
+            holder.blocks[h] = Hold(tier, _NEVER, ekey)
+            self._size += 1
+        else:
+            if hold.ekey is not None and hold.ekey != ekey:
+                holder.by_ehash.pop(hold.ekey, None)
+            hold.tiers = tier if hold.expires != _NEVER else hold.tiers | tier
+            hold.expires, hold.ekey = _NEVER, ekey
+            holder.blocks.move_to_end(h)
+        holder.by_ehash[ekey] = h
+
+    def remove(
+        self,
+        holder_key: HolderId,
+        engine_hashes: Iterable[EngineHash],
+        *,
+        medium: str | None = None,
+        group_idx: int = 0,
+    ) -> int:
+        """Apply a ``BlockRemoved`` (any order; vLLM sends one hash per event, tail to root).
+
+        Only the given tier is cleared; a block left on no tier is dropped. Returns the number of
+        blocks found.
+        """
+        holder = self._holders.get(holder_key)
+        tier = tier_of(medium)
+        found = 0
+        for ehash in engine_hashes:
+            h = None if holder is None else holder.by_ehash.get((group_idx, ehash))
+            if holder is None or h is None:
+                self.stats.unknown_removals += 1
+                continue
+            found += 1
+            hold = holder.blocks[h]
+            hold.tiers &= ~tier
+            if not hold.tiers:
+                self._drop(holder, h)
+        self.stats.removed_blocks += found
+        return found
+
+    def reset(self, holder_key: HolderId) -> int:
+        """Forget everything a holder had (engine restart, lost events, cache cleared)."""
+        holder = self._holders.pop(holder_key, None)
+        if holder is None:
+            return 0
+        self._size -= len(holder.blocks)
+        self.stats.resets += 1
+        return len(holder.blocks)
+
+    def reset_engine(self, engine: str) -> int:
+        """Reset every holder (all data-parallel ranks) of an engine."""
+        return sum(self.reset(hid) for hid in self.holders() if engine_of(hid) == engine)
+
+    # -- records (speculative / approximate) -----------------------------------------------
+    def record(
+        self, holder_key: HolderId, hashes: Sequence[int], expires: float, *, block_size: int
+    ) -> None:
+        """Note that ``holder`` should hold ``hashes`` (device tier) until ``expires``.
+
+        Used for speculative entries (the request was just routed there) and for the
+        approximate mode. A block already known from an event keeps its event entry and is only
+        refreshed; an earlier record gets the later expiry.
+        """
+        holder = self._holder(holder_key)
+        holder.block_sizes.setdefault(0, block_size)
+        blocks = holder.blocks
+        for h in reversed(hashes):
+            hold = blocks.get(h)
+            if hold is None:
+                blocks[h] = Hold(DEVICE, expires, None)
+                self._size += 1
+                continue
+            if hold.expires != _NEVER:
+                hold.expires = max(hold.expires, expires)
+                hold.tiers |= DEVICE
+            blocks.move_to_end(h)
+        self._enforce(holder)
+
+    # -- internals ------------------------------------------------------------------------
+    def _holder(self, key: HolderId) -> _Holder:
+        holder = self._holders.get(key)
+        if holder is None:
+            holder = self._holders[key] = _Holder()
+        return holder
+
+    def _drop(self, holder: _Holder, h: int) -> None:
+        hold = holder.blocks.pop(h)
+        self._size -= 1
+        if hold.ekey is not None and holder.by_ehash.get(hold.ekey) == h:
+            del holder.by_ehash[hold.ekey]
+
+    def _evict_oldest(self, holder: _Holder) -> None:
+        h = next(iter(holder.blocks))
+        self._drop(holder, h)
+        self.stats.evicted_blocks += 1
+
+    def _enforce(self, touched: _Holder) -> None:
+        cap = self.holder_capacity_blocks
+        if cap is not None:
+            while len(touched.blocks) > cap:
+                self._evict_oldest(touched)
+        while self._size > self.capacity_blocks:
+            largest = max(self._holders.values(), key=lambda x: len(x.blocks))
+            self._evict_oldest(largest)
