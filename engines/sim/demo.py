@@ -1,5 +1,6 @@
-"""``kvgate demo``: the embedded default — the gateway in front of a small simulated fleet, in
-one process, with no external services. Prints the URL and an example ``curl``."""
+"""``kvgate demo``: the embedded default — the gateway with the cache-aware profile in front of a
+small simulated fleet publishing KV events, in one process, with no external services. Prints
+the URL and an example ``curl``."""
 
 from __future__ import annotations
 
@@ -7,16 +8,17 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import socket
 import sys
 
 import uvicorn
 import uvloop
 
-from engines.sim.config import SimConfig
+from engines.sim.config import KvEventsConfig, SimConfig
 from engines.sim.testing import serve_sim
 from middleware.app import create_app
 from middleware.cli import configure_logging
-from middleware.config import config_from_engines
+from middleware.config import GatewayConfig, parse_config
 
 log = logging.getLogger("kvgate.demo")
 
@@ -54,15 +56,54 @@ def _banner(url: str, engines: list[str]) -> str:
     )
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def cache_aware_config(
+    urls: list[str], events_address: str, host: str = "127.0.0.1", port: int = 8080
+) -> GatewayConfig:
+    """The cache-aware default profile (docs/routing.md) over simulated engines: the sim
+    tokenizer, precise prefix matching from the engines' KV events (the gateway binds
+    ``events_address``; engine ``sim-i`` publishes topic ``kv@sim-i``)."""
+    data = {
+        "server": {"host": host, "port": port},
+        "pool": {"health_interval_s": 1.0, "metrics_interval_s": 1.0},
+        "engines": [{"name": f"sim-{i}", "url": u} for i, u in enumerate(urls)],
+        "plugins": [
+            {"type": "tokenizer", "params": {"tokenizer": {"kind": "module", "module": "sim"}}},
+            {"type": "kv-events", "params": {"bind": events_address, "connect": False}},
+            {"type": "prefix-cache-producer", "params": {"mode": "precise"}},
+            {"type": "health-filter"}, {"type": "model-filter"}, {"type": "token-load-scorer"},
+            {"type": "token-imbalance-filter"}, {"type": "prefix-cache-scorer"},
+            {"type": "session-affinity-scorer"}, {"type": "max-score-picker"},
+        ],
+        "profiles": [{"name": "default", "plugins": [
+            {"ref": "health-filter"}, {"ref": "model-filter"}, {"ref": "token-imbalance-filter"},
+            {"ref": "prefix-cache-scorer", "weight": 3}, {"ref": "token-load-scorer", "weight": 2},
+            {"ref": "session-affinity-scorer", "weight": 1}, {"ref": "max-score-picker"},
+        ]}],
+    }
+    return parse_config(data, "<kvgate demo>")
+
+
+def sim_config(i: int, events_address: str, time_scale: float) -> SimConfig:
+    events = KvEventsConfig(endpoint=events_address, topic=f"kv@sim-{i}")
+    return SimConfig(engine_id=f"sim-{i}", time_scale=time_scale, seed=i, kv_events=events)
+
+
 async def _run(args: argparse.Namespace) -> None:
     async with contextlib.AsyncExitStack() as stack:
+        events = f"tcp://127.0.0.1:{free_port()}"
         urls = []
         for i in range(args.engines):
-            cfg = SimConfig(engine_id=f"sim-{i}", time_scale=args.time_scale, seed=i)
-            sim = await stack.enter_async_context(serve_sim(cfg))
+            sim = await stack.enter_async_context(
+                serve_sim(sim_config(i, events, args.time_scale))
+            )
             urls.append(sim.url)
-        config = config_from_engines(urls, host=args.host, port=args.port)
-        app = create_app(config)
+        app = create_app(cache_aware_config(urls, events, args.host, args.port))
         server = uvicorn.Server(uvicorn.Config(
             app, host=args.host, port=args.port, lifespan="on", log_level="warning",
             access_log=False, http="httptools",
