@@ -10,18 +10,30 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import urllib.parse
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 
-from middleware.asgi import Receive, Scope, Send, send_bytes, send_error, send_json
+from middleware.asgi import (
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    header_map,
+    read_body,
+    send_bytes,
+    send_error,
+    send_json,
+)
 from middleware.config import GatewayConfig
-from middleware.errors import HTTPError, MethodNotAllowed, NotFound
+from middleware.errors import HTTPError, MethodNotAllowed, NotFound, internal_error
 from middleware.gateway import Gateway
 from middleware.metrics import GatewayMetrics
 from middleware.pipeline import build_pipeline
-from middleware.plugin import MetricsSource
+from middleware.plugin import HttpRequest, MetricsSource
 from middleware.pool import EndpointPool
 from middleware.registry import Registry
 from middleware.types import Api
@@ -123,9 +135,30 @@ class KvgateApp:
                 _require(method, "GET")
                 await send_json(send, 200, self._models())
             else:
-                raise NotFound(f"no route for {method} {path}")
+                await self._plugin_route(scope, receive, send)
         except HTTPError as err:
             await send_error(send, err, [])
+        except ClientGone:
+            return
+        except Exception:
+            rid = uuid.uuid4().hex
+            log.exception("unexpected error on %s %s (request %s)", method, path, rid)
+            await send_error(send, internal_error(rid), [])
+
+    async def _plugin_route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path, method = scope["path"], scope["method"]
+        route = self.pipeline.routes.get((method, path))
+        if route is None:
+            if any(p == path for _, p in self.pipeline.routes):
+                raise MethodNotAllowed(f"{method} is not allowed on {path}")
+            raise NotFound(f"no route for {method} {path}")
+        headers = header_map(scope)
+        body = await read_body(receive, headers, self.config.server.max_body_bytes)
+        query = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        resp = await route.handler(HttpRequest(method, path, query, headers, body))
+        out = [(b"content-type", resp.content_type.encode()),
+               *((k.encode(), v.encode()) for k, v in resp.headers.items())]
+        await send_bytes(send, resp.status, resp.body, out)
 
     async def _health(self, send: Send) -> None:
         engines = self.pool.status()

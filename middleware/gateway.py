@@ -94,8 +94,13 @@ class Gateway:
         try:
             rid = request_id(headers)
             extra.append((b"x-request-id", rid.encode()))
+            auth = self.pipeline.authenticator
+            principal = None if auth is None else auth.authenticate(headers.get("authorization"))
             body = await read_body(receive, headers, self.config.server.max_body_bytes)
             req = parse_request(api, body, headers, rid)
+            if principal is not None:
+                req.principal = principal
+                req.tenant, req.key_id = principal.tenant, principal.key_id
             model = req.model if req.model in self.pool.models() else "other"
             status = await self._serve(req, receive, send, extra)
         except ClientGone:

@@ -15,6 +15,7 @@ from middleware.config import GatewayConfig, PluginConfig, ProfileConfig
 from middleware.engine import EngineAdapter
 from middleware.errors import ConfigError
 from middleware.plugin import (
+    Authenticator,
     CompletionHook,
     DataProducer,
     DispatchHook,
@@ -25,6 +26,8 @@ from middleware.plugin import (
     Plugin,
     ProfileHandler,
     RequestHook,
+    Route,
+    RouteProvider,
     Scorer,
     UsageHook,
     slots_of,
@@ -47,6 +50,9 @@ class Pipeline:
     completion_hooks: tuple[CompletionHook, ...] = ()
     listeners: tuple[EndpointSetListener, ...] = ()
     lifecycles: tuple[Lifecycle, ...] = field(default=())
+    authenticator: Authenticator | None = None
+    #: (method, path) -> route, from RouteProvider plugins
+    routes: Mapping[tuple[str, str], Route] = field(default_factory=dict)
 
 
 class _Lookup:
@@ -169,6 +175,35 @@ def _adapters(config: GatewayConfig, registry: Registry) -> dict[str, EngineAdap
     return adapters
 
 
+#: Paths the core serves itself; plugins may not take them.
+RESERVED_PATHS = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+)
+
+
+def _routes(source: str, plugins: Mapping[str, Plugin]) -> dict[tuple[str, str], Route]:
+    routes: dict[tuple[str, str], Route] = {}
+    for name, plugin in plugins.items():
+        if not isinstance(plugin, RouteProvider):
+            continue
+        for route in plugin.routes():
+            key = (route.method.upper(), route.path)
+            if route.path in RESERVED_PATHS or key in routes:
+                raise ConfigError(
+                    f"{source}: plugin {name!r} route {key[0]} {route.path} is already taken"
+                )
+            routes[key] = route
+    return routes
+
+
+def _authenticator(source: str, plugins: Mapping[str, Plugin]) -> Authenticator | None:
+    found = [(n, p) for n, p in plugins.items() if isinstance(p, Authenticator)]
+    if len(found) > 1:
+        names = ", ".join(repr(n) for n, _ in found)
+        raise ConfigError(f"{source}: at most one authenticator plugin, found {names}")
+    return found[0][1] if found else None
+
+
 def build_pipeline(config: GatewayConfig, registry: Registry) -> Pipeline:
     """Instantiate and validate everything; raises ConfigError on the first problem."""
     source = config.source
@@ -197,4 +232,6 @@ def build_pipeline(config: GatewayConfig, registry: Registry) -> Pipeline:
         completion_hooks=tuple(p for p in values if isinstance(p, CompletionHook)),
         listeners=tuple(p for p in values if isinstance(p, EndpointSetListener)),
         lifecycles=tuple(p for p in values if isinstance(p, Lifecycle)),
+        routes=_routes(source, built),
+        authenticator=_authenticator(source, built),
     )

@@ -7,7 +7,8 @@ All I/O happens in the async hooks. See docs/architecture.md.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, runtime_checkable
 
 from prometheus_client.registry import Collector
@@ -19,6 +20,7 @@ from middleware.types import (
     EndpointId,
     InferenceRequest,
     Outcome,
+    Principal,
     ProfileResult,
     RoutingDecision,
     ScoredEndpoint,
@@ -106,6 +108,17 @@ class ProfileHandler(Protocol):
 
 
 @runtime_checkable
+class Authenticator(Protocol):
+    """Checks the ``Authorization`` header before any other work (at most one per gateway).
+
+    Raises Unauthorized (401); the returned principal sets the request's tenant and key id.
+    Route plugins may call it too (e.g. admin endpoints).
+    """
+
+    def authenticate(self, authorization: str | None) -> Principal: ...
+
+
+@runtime_checkable
 class RequestHook(Protocol):
     """Runs first for every inference request: auth, catalog, admission. May raise HTTPError."""
 
@@ -166,6 +179,42 @@ class Lifecycle(Protocol):
     async def stop(self) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class HttpRequest:
+    """A non-inference request routed to a plugin. ``headers`` are lower-cased and *include*
+    ``authorization`` (route handlers authenticate themselves); never log them."""
+
+    method: str
+    path: str
+    query: Mapping[str, Sequence[str]]
+    headers: Mapping[str, str]
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class HttpResponse:
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """``method`` + exact ``path`` served by ``handler`` (which may raise HTTPError)."""
+
+    method: str
+    path: str
+    handler: Callable[[HttpRequest], Awaitable[HttpResponse]]
+
+
+@runtime_checkable
+class RouteProvider(Protocol):
+    """Plugins serving extra HTTP endpoints (usage API, admin). Paths must be unique."""
+
+    def routes(self) -> Sequence[Route]: ...
+
+
 @runtime_checkable
 class MetricsSource(Protocol):
     """Plugins exporting Prometheus metrics: the app registers the collector in its registry."""
@@ -178,6 +227,7 @@ SLOTS: Mapping[str, type] = {
     "scorer": Scorer,
     "picker": Picker,
     "profile-handler": ProfileHandler,
+    "authenticator": Authenticator,
     "request-hook": RequestHook,
     "data-producer": DataProducer,
     "dispatch-hook": DispatchHook,
@@ -186,6 +236,7 @@ SLOTS: Mapping[str, type] = {
     "endpoint-set-listener": EndpointSetListener,
     "lifecycle": Lifecycle,
     "metrics-source": MetricsSource,
+    "route-provider": RouteProvider,
 }
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 EndpointId = str
 T = TypeVar("T")
@@ -82,11 +82,23 @@ class InferenceRequest:
     key_id: str | None = None
     #: The client's body bytes, forwarded as-is unless the body was changed (see update_body).
     raw_body: bytes | None = None
+    #: The authenticated caller (None when no Authenticator is configured).
+    principal: Principal | None = None
 
     def update_body(self, **fields: Any) -> None:
         """Set body fields for the engine; the body is re-serialized before dispatch."""
         self.body.update(fields)
         self.raw_body = None
+
+
+class Principal(Protocol):
+    """Who is calling, as established by the Authenticator plugin."""
+
+    @property
+    def tenant(self) -> str: ...
+
+    @property
+    def key_id(self) -> str: ...
 
 
 class StateKey(Generic[T]):
