@@ -1,0 +1,188 @@
+"""Start and stop local vLLM CPU engines (the tiny model) as process groups.
+
+Each engine: ``python -m vllm.entrypoints.openai.api_server`` under the engine venv on a free
+loopback port, with prefix caching, prompt-token details, bounded KV memory (64 MiB: without it
+each engine reserves ~10 GiB), ``-O0`` (cold start ~35 s instead of ~120 s), pinned to one core
+(``VLLM_CPU_OMP_THREADS_BIND``; otherwise every engine computes on core 0), optional ZMQ KV
+events (plain address: the engine *connects* to the gateway's SUB socket; topic ``kv@<name>``),
+optional NixlConnector prefill/decode roles. Logs go to files; a health wait that times out
+raises with the log tail. A state file lets ``kvgate engines down`` stop exactly what
+``up`` started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from engines.local.model import SERVED_NAME
+from engines.local.paths import engine_python, kvgate_home
+
+#: Cold start measured at 30-60 s on this 2-core machine; allow for a loaded CI machine.
+HEALTH_TIMEOUT_S = 300.0
+PdRole = Literal["prefill", "decode"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LocalEngine:
+    """One started engine process."""
+
+    name: str
+    port: int
+    pid: int
+    log: str
+    started_at: float
+    role: PdRole | None = None
+    ready_after_s: float | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def engine_args(model: Path, name: str, port: int, kv_events: str | None,
+                pd_role: PdRole | None) -> list[str]:
+    args = [
+        str(engine_python()), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model), "--served-model-name", SERVED_NAME,
+        "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching",
+        "--enable-prompt-tokens-details", "--max-model-len", "4096",
+        "--kv-cache-memory-bytes", "64M", "-O0", "--disable-uvicorn-access-log",
+    ]
+    if kv_events is not None:
+        cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": kv_events,
+               "topic": f"kv@{name}"}
+        args += ["--kv-events-config", json.dumps(cfg)]
+    if pd_role is not None:
+        role = "kv_producer" if pd_role == "prefill" else "kv_consumer"
+        cfg = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+        args += ["--kv-transfer-config", json.dumps(cfg)]
+    return args
+
+
+def engine_env(core: int, pd_role: PdRole | None) -> dict[str, str]:
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(core), "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    if pd_role is not None:
+        env.update({"VLLM_HOST_IP": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "UCX_TLS": "tcp,self",
+                    "UCX_NET_DEVICES": "lo"})
+    return env
+
+
+def spawn(model: Path, name: str, core: int, kv_events: str | None = None,
+          pd_role: PdRole | None = None, log_dir: Path | None = None) -> LocalEngine:
+    port = free_port()
+    logs = log_dir or kvgate_home() / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{name}-{port}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            engine_args(model, name, port, kv_events, pd_role), stdout=out,
+            stderr=subprocess.STDOUT, env=engine_env(core, pd_role), start_new_session=True,
+        )
+    return LocalEngine(name, port, proc.pid, str(log), time.monotonic(), pd_role)
+
+
+def log_tail(engine: LocalEngine, lines: int = 40) -> str:
+    try:
+        return "\n".join(Path(engine.log).read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(no log: {exc})"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        waited, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        waited = 0
+    if waited == pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _healthy(engine: LocalEngine) -> bool:
+    try:
+        with urllib.request.urlopen(engine.url + "/health", timeout=2) as resp:
+            return int(resp.status) == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def wait_healthy(engines: Sequence[LocalEngine], timeout_s: float = HEALTH_TIMEOUT_S) -> None:
+    """Block until every engine answers /health; raises with the log tail on death/timeout."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(engines)
+    while pending:
+        for engine in list(pending):
+            if _healthy(engine):
+                engine.ready_after_s = time.monotonic() - engine.started_at
+                pending.remove(engine)
+            elif not _alive(engine.pid):
+                raise RuntimeError(f"engine {engine.name} exited during startup; log tail:\n"
+                                   f"{log_tail(engine)}")
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"engine {pending[0].name} not healthy after {timeout_s:.0f} s; "
+                               f"log tail:\n{log_tail(pending[0])}")
+        if pending:
+            time.sleep(0.5)
+
+
+def stop(engine: LocalEngine, grace_s: float = 15.0) -> None:
+    """SIGTERM the engine's process group, SIGKILL after ``grace_s``."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(engine.pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not _alive(engine.pid):
+                return
+            time.sleep(0.2)
+
+
+def rss_mib(engine: LocalEngine) -> float:
+    """Resident memory of the engine's whole process group, MiB (Linux /proc)."""
+    total = 0
+    for status in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = status.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == engine.pid:  # pgrp
+                statm = (status.parent / "statm").read_text().split()
+                total += int(statm[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / (1 << 20)
+
+
+def save_state(engines: Sequence[LocalEngine], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([asdict(e) for e in engines], indent=2))
+
+
+def load_state(path: Path) -> list[LocalEngine]:
+    if not path.is_file():
+        return []
+    return [LocalEngine(**item) for item in json.loads(path.read_text())]
