@@ -1,0 +1,113 @@
+"""The systems a benchmark can put between the load generator and the fake upstream.
+
+``direct`` is no system at all (the load goes straight to the upstream); every other one is a
+process started on the system-under-test core, in front of the same upstream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench import procs, venvs
+
+DIRECT = "direct"
+KVGATE = "kvgate"
+VLLM_ROUTER = "vllm-router"
+SGLANG_ROUTER = "sglang-router"
+PASS_AIOHTTP = "passthrough-aiohttp"
+PASS_HTTPX = "passthrough-httpx"
+
+MODEL = "bench-model"  # what the fake engine serves and the load asks for
+Argv = Callable[[str, int, int, Path], list[str]]
+
+
+@dataclass(frozen=True)
+class System:
+    """How to start one system: argv from (upstream URL, port, spare port, venv root)."""
+
+    name: str
+    argv: Argv | None
+    health_path: str = "/health"
+    tool: venvs.Tool | None = None
+    start_timeout_s: float = 60.0
+    ready_path: str | None = None  # then also wait until GET ready_path mentions the model
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A running system: where to send load, and the pid whose CPU time to count."""
+
+    name: str
+    base_url: str
+    pid: int | None
+
+
+def _kvgate(upstream: str, port: int, _aux: int, _root: Path) -> list[str]:
+    kvgate = Path(sys.executable).parent / "kvgate"
+    return [str(kvgate), "serve", "--engine", upstream, "--host", "127.0.0.1", "--port", str(port)]
+
+
+def _vllm_router(upstream: str, port: int, aux: int, root: Path) -> list[str]:
+    program = venvs.bin_path(venvs.VLLM_ROUTER, "vllm-router", root)
+    return [
+        str(program), "--worker-urls", upstream, "--policy", "round_robin",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(aux),
+        "--log-level", "warning",
+    ]
+
+
+def _sglang_router(upstream: str, port: int, aux: int, root: Path) -> list[str]:
+    python = venvs.bin_path(venvs.SGLANG_ROUTER, "python", root)
+    return [
+        str(python), "-m", "sglang_router.launch_router", "--worker-urls", upstream,
+        "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(port),
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(aux),
+        "--log-level", "warn",
+    ]
+
+
+def _passthrough(client: str) -> Argv:
+    def argv(upstream: str, port: int, _aux: int, _root: Path) -> list[str]:
+        return [
+            sys.executable, "-m", "bench.passthrough", "--client", client,
+            "--upstream", upstream, "--host", "127.0.0.1", "--port", str(port),
+        ]
+
+    return argv
+
+
+def catalogue() -> dict[str, System]:
+    """Every known system by name."""
+    systems = [
+        System(DIRECT, None),
+        System(KVGATE, _kvgate, start_timeout_s=120.0, ready_path="/v1/models"),
+        System(VLLM_ROUTER, _vllm_router, tool=venvs.VLLM_ROUTER),
+        System(SGLANG_ROUTER, _sglang_router, tool=venvs.SGLANG_ROUTER),
+        System(PASS_AIOHTTP, _passthrough("aiohttp")),
+        System(PASS_HTTPX, _passthrough("httpx")),
+    ]
+    return {system.name: system for system in systems}
+
+
+@contextlib.contextmanager
+def launched(
+    system: System, upstream: str, cpu: int, log_path: Path, venv_root: Path
+) -> Iterator[Endpoint]:
+    """Start ``system`` pinned to ``cpu`` in front of ``upstream``; stop it on exit."""
+    if system.argv is None:
+        yield Endpoint(system.name, upstream, None)
+        return
+    port, aux = procs.free_port(), procs.free_port()
+    argv = system.argv(upstream, port, aux, venv_root)
+    base = f"http://127.0.0.1:{port}"
+    with procs.running(argv, cpu, log_path) as proc:
+        procs.wait_healthy(base + system.health_path, proc, system.start_timeout_s, log_path)
+        if system.ready_path is not None:
+            procs.wait_healthy(base + system.ready_path, proc, system.start_timeout_s, log_path,
+                               must_contain=MODEL.encode())
+        yield Endpoint(system.name, base, proc.pid)
