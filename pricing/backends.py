@@ -1,0 +1,161 @@
+"""Ledger storage: the backend interface, the shared schema, and ``open_backend(url)``.
+
+``sqlite:///abs/path`` (embedded default, pricing/sqlite_backend.py) or ``postgresql://...``
+(multi-replica, pricing/postgres_backend.py, psycopg 3). Both
+
+* upsert by ``request_id``, **last write wins**: a retried request's final record replaces the
+  earlier attempt's, and a spool replay re-applies records in their original order;
+* store money exactly (TEXT decimal strings in SQLite, NUMERIC in PostgreSQL) and sum it
+  exactly (a Decimal aggregate in SQLite, NUMERIC ``SUM`` in PostgreSQL);
+* connect lazily and reconnect after a failure, so a database that is down when the gateway
+  starts, or restarts later, only delays the writes (the spool holds them);
+* are blocking (called from worker threads, never on the event loop) and thread-safe.
+
+Errors: :class:`LedgerUnavailable` (down, locked, disk full, schema trouble: retry later, the
+records stay in the spool) and :class:`LedgerRejected` (this data can never be stored: the
+ledger retries record by record and quarantines the culprit).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator, Sequence
+from decimal import Decimal
+from typing import Protocol
+from urllib.parse import urlsplit
+
+from pricing.records import COLUMNS, DECIMAL_FIELDS, LedgerRecord
+from pricing.usage_api import UsageQuery, UsageRow
+
+TABLE = "kvgate_usage"
+EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_INTS = {"prompt_tokens", "completion_tokens", "cached_tokens", "status", "cache_write_tokens"}
+_FLOATS = {"ttft_s", "total_s"}
+_NULLABLE = {"cached_tokens", "ttft_s", "total_s", "session", "prefill_engine"}
+
+
+class LedgerUnavailable(Exception):
+    """The database cannot take the write now (down, locked, disk full): retry later."""
+
+
+class LedgerRejected(Exception):
+    """The database refuses this data for good (e.g. a value it cannot store)."""
+
+
+class LedgerBackend(Protocol):
+    """What the ledger and the export need from a database (all blocking)."""
+
+    def write(self, records: Sequence[LedgerRecord]) -> None:
+        """Upsert ``records`` in one transaction (last write wins)."""
+
+    def query(self, since: dt.datetime, until: dt.datetime,
+              limit: int | None = None) -> list[LedgerRecord]:
+        """Records with ``since <= ts < until`` in time order (at most ``limit``)."""
+
+    def iter_records(self, since: dt.datetime, until: dt.datetime,
+                     batch: int = 1000) -> Iterator[LedgerRecord]:
+        """Like :meth:`query`, streamed ``batch`` rows at a time (bounded memory)."""
+
+    def usage_rows(self, q: UsageQuery, start: int, end: int) -> list[UsageRow]:
+        """Usage-API sums per bucket and group for ``start <= ts < end`` (unix seconds)."""
+
+    def spend_by_key(self, since: dt.datetime | None = None) -> dict[str, Decimal]:
+        """Total ``cost_total`` per ``key_id`` (for budgets)."""
+
+    def close(self) -> None: ...
+
+
+def column_types(dialect: str) -> list[tuple[str, str]]:
+    """(column, SQL type) for ``sqlite`` or ``postgresql``, request_id first."""
+    pg = dialect == "postgresql"
+    out = []
+    for name in COLUMNS:
+        if name == "request_id":
+            sql = "TEXT PRIMARY KEY"
+        elif name == "ts":
+            sql = "TIMESTAMPTZ" if pg else "INTEGER"  # SQLite: microseconds since the epoch
+        elif name in DECIMAL_FIELDS:
+            sql = "NUMERIC" if pg else "TEXT"
+        elif name in _INTS:
+            sql = "BIGINT" if pg else "INTEGER"
+        elif name in _FLOATS:
+            sql = "DOUBLE PRECISION" if pg else "REAL"
+        elif name == "priced":
+            sql = "BOOLEAN" if pg else "INTEGER"
+        else:
+            sql = "TEXT"
+        if name not in _NULLABLE and name != "request_id":
+            sql += " NOT NULL"
+        out.append((name, sql))
+    return out
+
+
+def create_table_sql(dialect: str) -> list[str]:
+    cols = ", ".join(f"{n} {t}" for n, t in column_types(dialect))
+    return [f"CREATE TABLE IF NOT EXISTS {TABLE} ({cols})",
+            f"CREATE INDEX IF NOT EXISTS {TABLE}_ts ON {TABLE} (ts)"]
+
+
+def upsert_sql(mark: str) -> str:
+    """``INSERT ... ON CONFLICT (request_id) DO UPDATE`` (both dialects), placeholders ``mark``."""
+    updates = ", ".join(f"{c} = excluded.{c}" for c in COLUMNS[1:])
+    return (f"INSERT INTO {TABLE} ({', '.join(COLUMNS)}) "
+            f"VALUES ({', '.join(mark for _ in COLUMNS)}) "
+            f"ON CONFLICT (request_id) DO UPDATE SET {updates}")
+
+
+def usage_sql(q: UsageQuery, bucket_expr: str, money_sum: str,
+              mark: str) -> tuple[str, list[object]]:
+    """The aggregation behind the Usage API; the caller binds ``(start, end, *returned)``."""
+    groups = [f"{col} AS {name}" if name in q.group_by else f"NULL AS {name}"
+              for name, col in (("model", "model"), ("api_key_id", "key_id"),
+                                ("project_id", "tenant"))]
+    where = ["ts >= " + mark, "ts < " + mark]
+    params: list[object] = []
+    for col, values in (("model", q.models), ("tenant", q.project_ids),
+                        ("key_id", q.api_key_ids)):
+        if values:
+            where.append(f"{col} IN ({', '.join(mark for _ in values)})")
+            params.extend(values)
+    grouped = [str(i + 2) for i, name in enumerate(("model", "api_key_id", "project_id"))
+               if name in q.group_by]
+    sql = (f"SELECT {bucket_expr} AS bucket, {', '.join(groups)}, SUM(prompt_tokens), "
+           "SUM(COALESCE(cached_tokens, 0)), SUM(cache_write_tokens), SUM(completion_tokens), "
+           "COUNT(*), SUM(CASE WHEN cached_source = 'unknown' THEN 1 ELSE 0 END), "
+           "SUM(CASE WHEN cached_source = 'estimated' THEN 1 ELSE 0 END), "
+           f"{money_sum}(cost_total) FROM {TABLE} WHERE {' AND '.join(where)} "
+           f"GROUP BY {', '.join(['1', *grouped])}")
+    return sql, params
+
+
+def usage_row(row: Sequence[object]) -> UsageRow:
+    """A :class:`UsageRow` from one row of :func:`usage_sql` (driver types normalized)."""
+    n = [int(str(v)) for v in row[4:11]]
+    return UsageRow(
+        bucket=int(str(row[0])), model=_opt_str(row[1]), api_key_id=_opt_str(row[2]),
+        project_id=_opt_str(row[3]), input_tokens=n[0], input_cached_tokens=n[1],
+        input_cache_write_tokens=n[2], output_tokens=n[3], num_model_requests=n[4],
+        cached_unknown_requests=n[5], cached_estimated_requests=n[6],
+        cost_usd=Decimal(str(row[11])))
+
+
+def _opt_str(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+def open_backend(url: str, **options: float) -> LedgerBackend:
+    """``sqlite:///abs/path`` or ``postgresql://user[:pass]@host[:port]/db`` (no connection is
+    made until first use)."""
+    scheme = urlsplit(url).scheme
+    if scheme == "sqlite":
+        path = url.removeprefix("sqlite://")
+        if not path.startswith("/"):
+            raise ValueError("ledger URL: use sqlite:///absolute/path (three slashes)")
+        from pricing.sqlite_backend import SqliteBackend
+
+        return SqliteBackend(path, **options)
+    if scheme in ("postgresql", "postgres"):
+        from pricing.postgres_backend import PostgresBackend
+
+        return PostgresBackend(url, **options)
+    raise ValueError(f"ledger URL scheme {scheme!r}: expected sqlite:///path or postgresql://...")
