@@ -108,6 +108,23 @@ class ProfileConfig(BaseModel):
     plugins: tuple[ProfileRef, ...]
 
 
+class DisaggregationConfig(BaseModel):
+    """Prefill/decode disaggregation: how a request with a prefill target is split in two hops.
+
+    Used when the profile handler's decision names a prefill engine (docs/disaggregation.md).
+    """
+
+    model_config = _STRICT
+    #: A ``kvgate.connectors`` entry point (e.g. ``vllm-nixl``, ``vllm-mooncake``, ``sglang``).
+    connector: str = Field(min_length=1)
+    #: The connector's own parameters (validated by its ``Params`` model at startup).
+    params: dict[str, Any] = Field(default_factory=dict)
+    #: Concurrent connectors: once decode has answered, how long to wait for the prefill hop's
+    #: answer (its cache hit, for usage) before giving up on it. 1 s: the prefill answer is due
+    #: before decode's first token, so only a lost answer waits this long.
+    settle_timeout_s: float = Field(1.0, ge=0)
+
+
 class GatewayConfig(BaseModel):
     """The whole gateway configuration."""
 
@@ -119,6 +136,9 @@ class GatewayConfig(BaseModel):
     profiles: tuple[ProfileConfig, ...] = ()
     #: Plugin instance implementing ProfileHandler; required with more than one profile.
     profile_handler: str | None = None
+    #: Two-hop dispatch settings; ``None``: decisions naming a prefill engine are served by
+    #: their decode target alone.
+    disaggregation: DisaggregationConfig | None = None
     #: Where this config came from (for error messages); not a YAML key.
     source: str = Field("<config>", exclude=True)
 
@@ -205,3 +225,34 @@ def config_from_engines(
         server["port"] = port
     engines = [{"name": f"engine-{i}", "url": url, "kind": kind} for i, url in enumerate(urls)]
     return parse_config({"server": server, "engines": engines, **DEFAULT_PROFILE}, "<command line>")
+
+
+def with_billing(
+    config: GatewayConfig, *, prices: str | None = None, ledger: str | None = None,
+    keys: str | None = None,
+) -> GatewayConfig:
+    """``config`` with ``kvgate serve --prices FILE --ledger URL --keys FILE`` applied.
+
+    Flags override the params of the config's ``billing`` / ``api-keys`` plugins; when the
+    config has none, ``--prices`` adds both in front of its plugins (API keys from ``--keys``,
+    or authentication switched off, which the api-keys plugin announces at startup). Plugins
+    are named by type only: this is configuration data, the core imports none of them.
+    """
+    if prices is None and ledger is None and keys is None:
+        return config
+    data = config.model_dump(exclude={"source"})
+    plugins: list[dict[str, Any]] = data["plugins"]
+    has = {p["type"] for p in plugins}
+    if "billing" not in has and prices is None:
+        raise ConfigError("--ledger and --keys need --prices (or a billing plugin in the config)")
+    added = [] if "api-keys" in has else [{"type": "api-keys", "params": {"disabled": True}}]
+    if "billing" not in has:
+        added.append({"type": "billing", "params": {}})
+    for plugin in [*added, *plugins]:
+        params = plugin["params"]
+        if plugin["type"] == "billing":
+            params.update({k: v for k, v in (("prices", prices), ("ledger", ledger)) if v})
+        elif plugin["type"] == "api-keys" and keys is not None:
+            params.update({"file": keys, "disabled": False})
+    data["plugins"] = [*added, *plugins]
+    return parse_config(data, config.source)

@@ -26,6 +26,7 @@ from middleware.asgi import (
     send_error,
 )
 from middleware.config import GatewayConfig
+from middleware.disagg import TwoHop, UsageRewriter
 from middleware.errors import (
     HTTPError,
     ModelNotFound,
@@ -83,6 +84,11 @@ class Gateway:
         self._timeout = aiohttp.ClientTimeout(
             total=server.request_timeout_s, connect=server.connect_timeout_s
         )
+        dc = config.disaggregation
+        self.two_hop: TwoHop | None = None
+        if pipeline.connector is not None and dc is not None:
+            self.two_hop = TwoHop(pipeline.connector, pool, self._timeout, dc.settle_timeout_s,
+                                  server.seed)
 
     async def handle(self, scope: dict[str, Any], receive: Receive, send: Send, api: Api) -> None:
         started = time.monotonic()
@@ -178,7 +184,7 @@ class Gateway:
         kind, error = OutcomeKind.DONE, None
         will_retry = False
         try:
-            await _race(self._forward(req, state, target, send, progress), receive)
+            await _race(self._route(req, state, decision, send, progress), receive)
             if progress.broken is not None:
                 kind, error = OutcomeKind.UPSTREAM_ERROR, progress.broken
                 self.metrics.upstream_errors.labels(target.id, "mid_stream").inc()
@@ -196,14 +202,40 @@ class Gateway:
             lease.release()
             await self._complete(req, state, target, progress, kind, error, will_retry)
 
-    async def _forward(
-        self, req: InferenceRequest, state: CycleState, target: Endpoint, send: Send,
+    async def _route(
+        self, req: InferenceRequest, state: CycleState, decision: RoutingDecision, send: Send,
         progress: Progress,
     ) -> None:
+        """One hop to the target, or two (prefill, then/with decode) when the decision names a
+        prefill engine and a connector is configured (middleware/disagg.py)."""
+        target = decision.target
+        prefill = decision.prefill
+        if self.two_hop is None or prefill is None or prefill.id == target.id:
+            await self._forward(req, state, target, send, progress)
+            return
+        assert self.session is not None
+
+        async def forward(
+            body: dict[str, Any] | None, rewriter: UsageRewriter | None, prog: Progress
+        ) -> None:
+            await self._forward(req, state, target, send, prog, body, rewriter)
+
+        await self.two_hop.run(self.session, req, decision, forward, progress)
+
+    async def _forward(
+        self, req: InferenceRequest, state: CycleState, target: Endpoint, send: Send,
+        progress: Progress, body: dict[str, Any] | None = None,
+        rewriter: UsageRewriter | None = None,
+    ) -> None:
+        """Send ``body`` (default: the adapter-shaped client body) to ``target``, relay the
+        answer; ``rewriter`` edits the usage the client and the usage hooks see."""
         assert self.session is not None
         adapter = self.pool.adapter(target.id)
-        body = adapter.prepare_body(req, req.body)
-        raw = req.raw_body if body is req.body and req.raw_body is not None else _dumps(body)
+        if body is None:
+            body = adapter.prepare_body(req, req.body)
+            raw = req.raw_body if body is req.body and req.raw_body is not None else _dumps(body)
+        else:
+            raw = _dumps(body)
         headers = {"content-type": "application/json", "x-request-id": req.request_id,
                    **self.pool.headers(target.id)}
         url = target.url + req.api.path
@@ -215,21 +247,31 @@ class Gateway:
             raise
         if not req.stream:
             payload = await read_json_response(resp, adapter, progress)
+            if rewriter is not None:
+                payload = await rewriter.rewrite_json(payload)
+                progress.usage = adapter.extract_usage(json.loads(payload))
             await self._report_usage(req, state, target, progress)
             ct = resp.headers.get("content-type", "application/json").encode()
             out = [(b"content-type", ct), *progress.headers, *_plugin_headers(state)]
             await send_bytes(send, progress.status, payload, out)
             return
-        chunk = await first_chunk(resp)
-        tap = SSETap(adapter.extract_usage, strip_usage=not req.client_wants_usage)
+        try:
+            chunk = await first_chunk(resp)
+        except asyncio.CancelledError:  # client gone, or a concurrent prefill fell back
+            resp.close()
+            raise
+        tap = SSETap(adapter.extract_usage, strip_usage=not req.client_wants_usage,
+                     rewrite=None if rewriter is None else rewriter.rewrite_chunk)
         progress.headers[:0] = _SSE_HEADERS
         progress.headers.extend(_plugin_headers(state))
-        await relay_stream(resp, chunk, send, tap, progress)
+        await relay_stream(resp, chunk, send, tap, progress,
+                           lambda: self._report_usage(req, state, target, progress))
 
     async def _report_usage(
         self, req: InferenceRequest, state: CycleState, target: Endpoint, progress: Progress
     ) -> None:
-        """Usage hooks, once per dispatch, as soon as the usage is known."""
+        """Usage hooks, once per dispatch, as soon as the usage is known: before a JSON answer
+        is sent, before a stream's usage event (and ``[DONE]``) is relayed."""
         usage = progress.usage
         if usage is None or progress.usage_reported:
             return

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ValidationError
 
 from middleware.config import GatewayConfig, PluginConfig, ProfileConfig
+from middleware.connector import Connector
 from middleware.engine import EngineAdapter
 from middleware.errors import ConfigError
 from middleware.plugin import (
@@ -53,6 +54,8 @@ class Pipeline:
     authenticator: Authenticator | None = None
     #: (method, path) -> route, from RouteProvider plugins
     routes: Mapping[tuple[str, str], Route] = field(default_factory=dict)
+    #: The KV-transfer connector for two-hop (prefill/decode) dispatch, if configured.
+    connector: Connector | None = None
 
 
 class _Lookup:
@@ -204,6 +207,32 @@ def _authenticator(source: str, plugins: Mapping[str, Plugin]) -> Authenticator 
     return found[0][1] if found else None
 
 
+def _connector(config: GatewayConfig, registry: Registry) -> Connector | None:
+    dc = config.disaggregation
+    if dc is None:
+        return None
+    where = f"{config.source}: disaggregation"
+    cls = registry.connectors.get(dc.connector)
+    if cls is None:
+        known = ", ".join(sorted(registry.connectors)) or "none"
+        raise ConfigError(f"{where}: unknown connector {dc.connector!r} (known: {known})")
+    params_model = getattr(cls, "Params", None)
+    if not (isinstance(params_model, type) and issubclass(params_model, BaseModel)):
+        raise ConfigError(f"{where}: connector {dc.connector!r} has no Params model")
+    try:
+        params = params_model.model_validate(dc.params)
+    except ValidationError as exc:
+        detail = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'params'}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise ConfigError(f"{where}: bad params: {detail}") from None
+    connector = cls(params)
+    if not isinstance(connector, Connector):
+        raise ConfigError(f"{where}: {dc.connector!r} is not a Connector")
+    return connector
+
+
 def build_pipeline(config: GatewayConfig, registry: Registry) -> Pipeline:
     """Instantiate and validate everything; raises ConfigError on the first problem."""
     source = config.source
@@ -234,4 +263,5 @@ def build_pipeline(config: GatewayConfig, registry: Registry) -> Pipeline:
         lifecycles=tuple(p for p in values if isinstance(p, Lifecycle)),
         routes=_routes(source, built),
         authenticator=_authenticator(source, built),
+        connector=_connector(config, registry),
     )

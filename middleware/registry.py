@@ -5,6 +5,7 @@ Entry-point groups:
 * ``kvgate.plugins``: ``<type_name> = module:PluginClass``
 * ``kvgate.engines``: ``<kind> = module:AdapterClass``
 * ``kvgate.commands``: ``<name> = module:register`` where ``register(subparsers)`` adds CLI commands
+* ``kvgate.connectors``: ``<name> = module:ConnectorClass`` (prefill/decode KV transfer)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from middleware.plugin import Plugin
 PLUGIN_GROUP = "kvgate.plugins"
 ENGINE_GROUP = "kvgate.engines"
 COMMAND_GROUP = "kvgate.commands"
+CONNECTOR_GROUP = "kvgate.connectors"
 
 
 def _load_group(group: str) -> dict[str, Any]:
@@ -38,6 +40,8 @@ class Registry:
 
     plugins: Mapping[str, type[Plugin]] = field(default_factory=dict)
     engines: Mapping[str, Callable[[], EngineAdapter]] = field(default_factory=dict)
+    #: KV-transfer connector classes by name (see middleware.connector).
+    connectors: Mapping[str, type] = field(default_factory=dict)
 
     @classmethod
     def from_entry_points(cls) -> Registry:
@@ -50,7 +54,10 @@ class Registry:
                     f"plugin entry point {name!r} points at a class whose type_name is "
                     f"{plugin_cls.type_name!r}"
                 )
-        return cls(plugins=plugins, engines=_load_group(ENGINE_GROUP))
+        return cls(
+            plugins=plugins, engines=_load_group(ENGINE_GROUP),
+            connectors=_load_group(CONNECTOR_GROUP),
+        )
 
     def plugin_class(self, type_name: str) -> type[Plugin] | None:
         return self.plugins.get(type_name)

@@ -24,13 +24,17 @@ class SSETap:
     client's behalf. Memory: at most one incomplete event is held (``pending``).
     """
 
-    __slots__ = ("_extract", "_pending", "_strip", "done", "events", "usage")
+    __slots__ = ("_extract", "_pending", "_rewrite", "_strip", "done", "events", "usage")
 
     def __init__(
-        self, extract: Callable[[Mapping[str, Any]], Usage | None], strip_usage: bool
+        self, extract: Callable[[Mapping[str, Any]], Usage | None], strip_usage: bool,
+        rewrite: Callable[[dict[str, Any]], bool] | None = None,
     ) -> None:
         self._extract = extract
         self._strip = strip_usage
+        #: Edits a usage-carrying chunk in place before it is read and relayed (prefill/decode
+        #: usage rewrite); returns whether it changed anything.
+        self._rewrite = rewrite
         self._pending = b""
         self.usage: Usage | None = None
         self.done = False
@@ -67,6 +71,7 @@ class SSETap:
         payload = _data_json(event)
         if payload is None:
             return out
+        changed = self._rewrite(payload) if self._rewrite is not None else False
         usage = self._extract(payload)
         if usage is not None:
             self.usage = usage
@@ -76,6 +81,8 @@ class SSETap:
             if self._strip:
                 payload.pop("usage", None)
                 return b"data: " + json.dumps(payload).encode() + _SEP
+        if changed:
+            return b"data: " + json.dumps(payload).encode() + _SEP
         return out
 
     def flush(self) -> bytes:

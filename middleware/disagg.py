@@ -1,0 +1,228 @@
+"""Two-hop dispatch (prefill/decode disaggregation): the I/O around a :class:`Connector`.
+
+The gateway calls :meth:`TwoHop.run` instead of a plain forward when the routing decision names
+a prefill engine other than its target and a connector is configured. The decode hop is the
+gateway's ordinary forward (same retry, relay, disconnect and completion handling), given the
+connector's decode body and a :class:`UsageRewriter`.
+
+* Sequential connectors: POST the prefill body (non-streaming), read its JSON answer, build the
+  decode body from it, forward decode.
+* Concurrent connectors: start the prefill hop as a task and forward decode at once.
+
+Fallback: a prefill hop that fails (engine error, unreachable, an answer without transfer
+parameters) is logged and counted, and the request is decoded locally by the decode engine
+(a plain single-hop forward, no usage rewrite). For concurrent connectors this happens only if
+the decode engine has not started answering (it cannot: it waits for the KV).
+
+Cleanup: a concurrent prefill hop still running when decode fails, finishes, or the client
+disconnects is cancelled, which closes its connection, and the engine aborts the request
+(vLLM, SGLang and the simulator all abort on disconnect). A sequential prefill whose decode
+never comes holds its KV on the prefill engine until the engine's own lease expires (vLLM:
+``kv_lease_duration``, ~30 s); nothing the gateway can send frees it earlier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import aiohttp
+
+from middleware.connector import (
+    Connector,
+    DecodeCachedConvention,
+    HopContext,
+    PrefillHit,
+    TransferUnavailable,
+    reported_cached,
+    rewrite_usage,
+)
+from middleware.errors import UpstreamError, UpstreamHTTPError
+from middleware.pool import EndpointPool
+from middleware.types import InferenceRequest, RoutingDecision
+from middleware.upstream import Progress, open_request, read_json_response
+
+log = logging.getLogger("kvgate.disagg")
+
+_ROOM_BITS = 63  # SGLang's bootstrap_room: a random int in [0, 2^63 - 1]
+
+
+class UsageRewriter:
+    """Puts the prefill side's cache hit into the decode answer's usage (JSON or SSE chunk)."""
+
+    def __init__(
+        self, hit: PrefillHit, convention: DecodeCachedConvention,
+        settle: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self.hit = hit
+        self.convention = convention
+        self._settle = settle
+
+    def rewrite_chunk(self, payload: dict[str, Any]) -> bool:
+        """Rewrite one parsed answer or usage chunk in place; True if it changed."""
+        cached = self.hit.for_client(reported_cached(payload), self.convention)
+        return rewrite_usage(payload, cached)
+
+    async def rewrite_json(self, body: bytes) -> bytes:
+        """A whole JSON answer, after waiting (bounded) for a concurrent prefill's answer."""
+        if self._settle is not None:
+            await self._settle()
+        try:
+            payload: Any = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return body
+        if isinstance(payload, dict) and self.rewrite_chunk(payload):
+            return json.dumps(payload, separators=(",", ":")).encode()
+        return body
+
+
+#: The gateway's decode forward: (body, rewriter, progress) -> relayed to the client.
+Forward = Callable[[dict[str, Any] | None, UsageRewriter | None, Progress], Awaitable[None]]
+
+
+class TwoHop:
+    """Runs one request over a prefill and a decode engine with a connector."""
+
+    def __init__(
+        self, connector: Connector, pool: EndpointPool, timeout: aiohttp.ClientTimeout,
+        settle_timeout_s: float, seed: int,
+    ) -> None:
+        self.connector = connector
+        self.pool = pool
+        self.timeout = timeout
+        self.settle_timeout_s = settle_timeout_s
+        self.rng = random.Random(seed)
+        #: Counters for tests and metrics: two-hop requests, fallbacks, cancelled prefills.
+        self.stats = {"two_hop": 0, "fallback": 0, "prefill_cancelled": 0}
+
+    def context(self, req: InferenceRequest, decision: RoutingDecision) -> HopContext:
+        assert decision.prefill is not None
+        return HopContext(req.request_id, decision.prefill, decision.target,
+                          self.rng.getrandbits(_ROOM_BITS))
+
+    async def run(
+        self, session: aiohttp.ClientSession, req: InferenceRequest, decision: RoutingDecision,
+        forward: Forward, progress: Progress,
+    ) -> None:
+        ctx = self.context(req, decision)
+        if self.connector.concurrent:
+            await self._concurrent(session, req, ctx, forward, progress)
+        else:
+            await self._sequential(session, req, ctx, forward, progress)
+
+    def _decode_body(
+        self, req: InferenceRequest, ctx: HopContext, answer: Mapping[str, Any] | None
+    ) -> dict[str, Any]:
+        prepared = self.pool.adapter(ctx.decode.id).prepare_body(req, req.body)
+        return self.connector.decode_body(req, dict(prepared), ctx, answer)
+
+    async def _prefill(
+        self, session: aiohttp.ClientSession, req: InferenceRequest, ctx: HopContext,
+        hit: PrefillHit,
+    ) -> dict[str, Any]:
+        """The prefill hop: POST, read the JSON answer, record its cache hit."""
+        prefill = ctx.prefill
+        body = self.connector.prefill_body(req, dict(req.body), ctx)
+        headers = {"content-type": "application/json", "x-request-id": req.request_id,
+                   **self.pool.headers(prefill.id)}
+        lease = self.pool.acquire(prefill.id, req.prompt_token_estimate)
+        try:
+            try:
+                resp = await open_request(
+                    session, prefill.url + req.api.path,
+                    json.dumps(body, separators=(",", ":")).encode(), headers, self.timeout)
+            except UpstreamError as err:
+                if err.unreachable:
+                    self.pool.report_failure(prefill.id, err.message)
+                raise
+            raw = await read_json_response(resp, self.pool.adapter(prefill.id), Progress())
+        finally:
+            lease.release()
+        answer = json.loads(raw)
+        if not isinstance(answer, dict):
+            raise TransferUnavailable("prefill answer is not a JSON object")
+        hit.set(self.connector.prefill_hit(answer))
+        return answer
+
+    def _fallback(self, req: InferenceRequest, ctx: HopContext, why: str) -> None:
+        self.stats["fallback"] += 1
+        log.warning("request %s: prefill on %s failed (%s); decoding locally on %s",
+                    req.request_id, ctx.prefill.id, why, ctx.decode.id)
+
+    async def _sequential(
+        self, session: aiohttp.ClientSession, req: InferenceRequest, ctx: HopContext,
+        forward: Forward, progress: Progress,
+    ) -> None:
+        hit = PrefillHit()
+        try:
+            answer = await self._prefill(session, req, ctx, hit)
+            body = self._decode_body(req, ctx, answer)
+        except (UpstreamError, UpstreamHTTPError, TransferUnavailable) as err:
+            self._fallback(req, ctx, _why(err))
+            await forward(None, None, progress)
+            return
+        self.stats["two_hop"] += 1
+        progress.headers.append((b"x-kvgate-prefill-engine", ctx.prefill.id.encode()))
+        await forward(body, UsageRewriter(hit, self.connector.decode_reports), progress)
+
+    async def _concurrent(
+        self, session: aiohttp.ClientSession, req: InferenceRequest, ctx: HopContext,
+        forward: Forward, progress: Progress,
+    ) -> None:
+        hit = PrefillHit()
+        prefill = asyncio.ensure_future(self._prefill(session, req, ctx, hit))
+
+        async def settle() -> None:
+            if not prefill.done():
+                await asyncio.wait((prefill,), timeout=self.settle_timeout_s)
+
+        headers = list(progress.headers)
+        progress.headers.append((b"x-kvgate-prefill-engine", ctx.prefill.id.encode()))
+        rewriter = UsageRewriter(hit, self.connector.decode_reports, settle)
+        decode = asyncio.ensure_future(forward(self._decode_body(req, ctx, None), rewriter,
+                                               progress))
+        try:
+            await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
+            err = _failure(prefill)
+            if err is not None and not decode.done() and progress.first_byte_at is None:
+                await _cancel(decode)
+                self._fallback(req, ctx, err)
+                progress.headers[:] = headers
+                await forward(None, None, progress)
+                return
+            if err is not None:
+                log.warning("request %s: prefill on %s failed after decode started: %s",
+                            req.request_id, ctx.prefill.id, err)
+            await decode
+            self.stats["two_hop"] += 1
+        finally:
+            if not prefill.done():
+                self.stats["prefill_cancelled"] += 1
+            await _cancel(prefill)
+            await _cancel(decode)
+
+
+def _why(err: BaseException) -> str:
+    return getattr(err, "message", None) or str(err) or type(err).__name__
+
+
+def _failure(task: asyncio.Future[Any]) -> str | None:
+    """Why a finished prefill task failed (None: still running, or it succeeded)."""
+    if not task.done() or task.cancelled():
+        return None
+    exc = task.exception()
+    if exc is None:
+        return None
+    if isinstance(exc, UpstreamError | UpstreamHTTPError | TransferUnavailable):
+        return _why(exc)
+    raise exc
+
+
+async def _cancel(task: asyncio.Future[Any]) -> None:
+    if not task.done():
+        task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
