@@ -1,7 +1,7 @@
 """The scheduler: per profile, filters -> weighted scorers -> one picker. Pure and synchronous.
 
 A profile handler (a plugin) decides which profiles run and how their results combine (e.g.
-decode first, then prefill). Without one, the single configured profile runs and its first
+decode first, then prefill); a profile that finds no endpoint is left out of its results. Without one, the single configured profile runs and its first
 endpoint is the target, the others are retry alternates.
 """
 
@@ -90,11 +90,20 @@ class Scheduler:
                 profiles={profile.name: result},
             )
         results: dict[str, ProfileResult] = {}
+        failed: set[str] = set()
         names = tuple(self.profiles)
         for _ in range(self._max_rounds):
-            todo = self.handler.pick_profiles(req, state, names, results)
+            todo = [n for n in self.handler.pick_profiles(req, state, names, results)
+                    if n not in failed]
             if not todo:
                 break
             for name in todo:
-                results[name] = self.run_profile(self.profiles[name], req, state, eps)
+                try:
+                    results[name] = self.run_profile(self.profiles[name], req, state, eps)
+                except NoEndpointAvailable:
+                    # Left out of ``results`` and not run again: the handler decides whether
+                    # the request can go without it (e.g. no prefill engine: decode locally).
+                    failed.add(name)
+        if failed and not results:
+            raise NoEndpointAvailable(f"no engine can serve model {req.model!r} now")
         return self.handler.finalize(req, state, results)
