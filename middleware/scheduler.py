@@ -1,8 +1,9 @@
 """The scheduler: per profile, filters -> weighted scorers -> one picker. Pure and synchronous.
 
 A profile handler (a plugin) decides which profiles run and how their results combine (e.g.
-decode first, then prefill); a profile that finds no endpoint is left out of its results. Without one, the single configured profile runs and its first
-endpoint is the target, the others are retry alternates.
+decode first, then prefill); a profile that finds no endpoint is left out of its results.
+Without one, the single configured profile runs and its first endpoint is the target, the
+others are retry alternates.
 """
 
 from __future__ import annotations

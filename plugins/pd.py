@@ -26,7 +26,7 @@ Params (units in brackets):
 * ``min_uncached_tokens`` [tokens] — 256. A prefill hop costs an extra HTTP round trip, a
   second scheduling and a KV transfer setup (a few ms, plus the transfer itself); a decode
   engine prefilling 256 tokens itself costs one chunk that chunked prefill slips into a decode
-  step (≈ 6 ms of GEMM on the simulator's H100 calibration, 256 × 23 µs), which stalls the
+  step (≈ 6 ms of GEMM on the simulator's H100 calibration, 256 * 23 µs), which stalls the
   running decodes by about one step. Above a few hundred tokens the local prefill's stall on
   every co-running decode outgrows the hop's fixed cost; below it the hop is pure overhead.
   It is also the value the wire notes give (PROTOCOLS.md, "skip the prefill hop when the
