@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from middleware.config import GatewayConfig, config_from_engines, load_config
+from middleware.config import GatewayConfig, config_from_engines, load_config, with_billing
 from middleware.errors import ConfigError
 from middleware.registry import command_registrars
 
@@ -46,6 +46,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         config = config.model_copy(update={"server": server})
     else:
         config = config_from_engines(args.engine, host=args.host, port=args.port)
+    config = with_billing(config, prices=args.prices, ledger=args.ledger, keys=args.keys)
     return serve_config(config)
 
 
@@ -56,6 +57,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="engine base URL (repeatable); uses the default plugin profile")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8080)")
+    p.add_argument("--prices", metavar="FILE",
+                   help="price book (kvgate YAML or LiteLLM JSON): turns billing on")
+    p.add_argument("--ledger", metavar="URL",
+                   help="usage ledger: sqlite:///abs/path (default .kvgate/ledger.sqlite) "
+                   "or postgresql://...")
+    p.add_argument("--keys", metavar="FILE",
+                   help="API keys file (kvgate keys create); without it auth is off")
     p.set_defaults(func=_cmd_serve)
 
 

@@ -145,7 +145,9 @@ class DispatchHook(Protocol):
 
 @runtime_checkable
 class UsageHook(Protocol):
-    """Receives the engine's usage once it is known."""
+    """Receives the engine's usage once it is known, before the client's response ends (JSON:
+    before it starts; streams: before the event carrying the usage and ``[DONE]`` are relayed),
+    so what the hook makes durable survives a crash after the client got its answer."""
 
     async def on_usage(
         self, req: InferenceRequest, state: CycleState, target: Endpoint, usage: Usage
@@ -222,6 +224,26 @@ class MetricsSource(Protocol):
     def collector(self) -> Collector: ...
 
 
+@runtime_checkable
+class ModelCatalog(Protocol):
+    """At most one per gateway: the public model list (``GET /v1/models``, ``/v1/models/{id}``)
+    and the backends behind it. ``check`` runs at startup with what the config declares and
+    raises ConfigError on a dangling reference."""
+
+    def check(self, engines: Mapping[str, frozenset[str]], profiles: frozenset[str],
+              backends: frozenset[str]) -> None:
+        """``engines``: engine name -> configured models (empty: discovered at run time)."""
+        ...
+
+    def list_models(self, principal: Principal | None) -> Sequence[Mapping[str, object]]:
+        """The models ``principal`` may use, as OpenAI model objects."""
+        ...
+
+    def get_model(self, model_id: str, principal: Principal | None) -> Mapping[str, object]:
+        """One model object by name or alias; ModelNotFound (with close names) otherwise."""
+        ...
+
+
 SLOTS: Mapping[str, type] = {
     "filter": Filter,
     "scorer": Scorer,
@@ -237,6 +259,7 @@ SLOTS: Mapping[str, type] = {
     "lifecycle": Lifecycle,
     "metrics-source": MetricsSource,
     "route-provider": RouteProvider,
+    "model-catalog": ModelCatalog,
 }
 
 

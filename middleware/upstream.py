@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,9 +109,13 @@ async def relay_stream(
     send: Send,
     tap: SSETap,
     progress: Progress,
+    on_usage: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Send headers then every event as it arrives; a broken upstream ends with an error event.
 
+    ``on_usage`` is awaited once, as soon as the engine's usage is known (``progress.usage``
+    set) and *before* the bytes that carry it (and ``[DONE]``) are sent: what a usage hook does
+    (a durable ledger record) is done before the client can see its stream end.
     Cancellation (client disconnect) closes the upstream connection, which aborts the
     engine's request.
     """
@@ -119,13 +123,15 @@ async def relay_stream(
     progress.status = 200
     progress.first_byte_at = time.monotonic()
     try:
-        out = tap.feed(first)
-        if out:
-            await send({"type": "http.response.body", "body": out, "more_body": True})
-        async for chunk in resp.content.iter_any():
+        chunk = first
+        while chunk:
             out = tap.feed(chunk)
+            if on_usage is not None and tap.usage is not None:
+                progress.usage, callback, on_usage = tap.usage, on_usage, None
+                await callback()
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
+            chunk = await resp.content.readany()
     except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError) as exc:
         progress.broken = f"engine stream broke: {type(exc).__name__}"
     finally:

@@ -1,26 +1,41 @@
 """``billing``: cached-token accounting, discounted cost, the usage ledger, budgets, the Usage
 API endpoint and token/cost metrics.
 
-Per dispatched request (CompletionHook; a retried attempt is skipped — the final one is the
-request's record) it prices the engine's usage with the price book (prompt - cached at the
-input rate, cached at the cached-input rate, completion at the output rate, tenant discount;
-see pricing/cost.py), and submits one ledger record, idempotent by request id, durable before
-the hook returns. Requests that ended without usage (client disconnect, engine failure) are
-recorded with the tokens known to have been processed: the prompt (token count if tokenized,
-else the gateway's estimate) and the SSE events relayed as completion tokens, flagged
-``priced: false`` when no usage arrived. ``cached_tokens`` unknown stays None; with
-``estimate_cached`` the routing index's match on the serving engine is billed as cached and
-flagged ``estimated``. JSON answers carry the cost in ``x-kvgate-cost-usd`` (usage hooks run
-before the response starts). Budgets (``budget_usd`` of an api-keys key) are checked per
-request against the key's spend (loaded from the ledger at start, then kept in memory: one
-Decimal per key, bounded by the keys file): over budget → 429 ``insufficient_quota``.
+Pricing. The engine's usage is priced with the price book (pricing/cost.py): (prompt - cached)
+at the input rate + cached at the cached-input rate + completion at the output rate, minus the
+tenant's discount, each line a Decimal quantized to 1e-10 USD. ``cached_tokens`` unknown (the
+engine did not report it) stays None and is billed as uncached, flagged ``unknown``; with
+``estimate_cached`` the routing index's match on the serving engine (PREFIX_MATCH, device +
+other tiers) is billed as cached instead and flagged ``estimated``. JSON answers carry the cost
+in ``cost_header`` (usage hooks run before a JSON response starts; a stream's headers are gone
+by the time its usage arrives, so streams have the cost in the ledger only).
+
+Ledger records (one per request that reached an engine, idempotent by request id):
+
+* UsageHook: as soon as the usage is known -- before the client's response ends (JSON: before
+  it starts; streams: before the usage event and ``[DONE]`` are relayed) -- a record is made
+  durable in the spool (``Ledger.submit`` returns after the fsync). A gateway killed with
+  SIGKILL after a client got its answer has that answer's record.
+* CompletionHook: the final record (TTFT, total latency, outcome) replaces it (last write
+  wins). A retried attempt (``will_retry``) is skipped: the final attempt is the record.
+  Requests that ended without usage (client disconnect, engine failure) are recorded with the
+  tokens known to have been processed: the prompt (token count if tokenized, else the
+  gateway's estimate) and the SSE events relayed as completion tokens, ``priced: false``; an
+  engine error before any byte processed nothing (0 tokens).
+
+Budgets (``budget_usd`` of an api-keys key): the key's spend is loaded from the ledger at start
+(summed in the database), then kept in memory; a request from a key whose spend has reached its
+budget gets 429 ``insufficient_quota`` before any work. Memory: one Decimal per key id, and the
+metric counters per (tenant, model, kind): bounded by the keys file and the served models.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from decimal import Decimal
 from pathlib import Path
@@ -49,6 +64,7 @@ from middleware.types import (
     Endpoint,
     InferenceRequest,
     Outcome,
+    OutcomeKind,
     StateKey,
     Usage,
     add_response_header,
@@ -57,33 +73,40 @@ from plugins.state import PREFIX_MATCH, SESSION_KEY, TOKEN_IDS
 from pricing.backends import open_backend
 from pricing.cost import Cost, TokenCounts, cost
 from pricing.ledger import Ledger
+from pricing.money import money_str
 from pricing.prices import PriceBook, PriceError, load_book
-from pricing.records import LedgerRecord
-from pricing.usage_api import from_unix, usage_page
+from pricing.records import LedgerRecord, cost_fields
+from pricing.usage_api import UsageQueryError, parse_usage_params
 
 log = logging.getLogger("kvgate.plugins.billing")
 COST: StateKey[Cost] = StateKey("billing-cost")
 ZERO = Decimal(0)
+USAGE_PATH = "/v1/organization/usage/completions"
+
+
+def _default_ledger() -> str:
+    return f"sqlite://{Path('.kvgate/ledger.sqlite').resolve()}"
 
 
 class Billing(Plugin, RequestHook, UsageHook, CompletionHook, Lifecycle, RouteProvider,
               MetricsSource):
-    """See the module docstring. Params: ``prices`` (price-book path: kvgate YAML or LiteLLM
-    JSON), ``ledger`` (``sqlite:///abs/path`` or ``postgresql://...``), ``spool`` (path of the
-    durable spool), ``estimate_cached`` (bool), ``cost_header`` (name), ``auth`` (name of the
-    authenticator plugin guarding the usage API; admin keys only)."""
+    """See the module docstring and docs/billing.md."""
 
     type_name = "billing"
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid", frozen=True)
+        #: Price book: kvgate YAML (USD per million tokens) or LiteLLM's price-map JSON.
         prices: str
-        ledger: str = Field(
-            default_factory=lambda: f"sqlite://{Path('.kvgate/ledger.sqlite').resolve()}"
-        )
+        #: ``sqlite:///absolute/path`` (embedded default) or ``postgresql://...``.
+        ledger: str = Field(default_factory=_default_ledger)
+        #: Directory of the durable spool (one per gateway replica).
         spool: str = ".kvgate/ledger.spool"
+        #: Bill the routing index's prefix match as cached when the engine reports nothing.
         estimate_cached: bool = False
-        cost_header: str = "x-kvgate-cost-usd"
+        #: Response header carrying a JSON answer's cost (USD, decimal text).
+        cost_header: str = Field("x-kvgate-cost-usd", pattern=r"^[A-Za-z0-9-]+$")
+        #: Authenticator plugin guarding the usage API (admin keys only); None: unguarded.
         auth: str | None = "api-keys"
 
     example_params = {"prices": "docs/examples/prices.yaml", "ledger": "sqlite:///tmp/x.db",
@@ -110,15 +133,20 @@ class Billing(Plugin, RequestHook, UsageHook, CompletionHook, Lifecycle, RoutePr
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
-        Path(self.p.spool).parent.mkdir(parents=True, exist_ok=True)
         url = self.p.ledger
-        if url.startswith("sqlite:///"):
-            Path(url.removeprefix("sqlite://")).parent.mkdir(parents=True, exist_ok=True)
-        self.ledger = Ledger(open_backend(url), Path(self.p.spool))
+        try:
+            backend = open_backend(url)
+        except ValueError as exc:
+            raise ConfigError(f"billing: {exc}") from None
+        await asyncio.to_thread(_make_dirs, url, Path(self.p.spool))
+        self.ledger = Ledger(backend, Path(self.p.spool))
         await self.ledger.start()
-        for r in await self.ledger.query(dt.datetime(1970, 1, 1, tzinfo=dt.UTC), _now() + _DAY):
-            self.spent[r.key_id] = self.spent.get(r.key_id, ZERO) + r.cost_total
-        log.info("billing: ledger %s, %d keys with spend", _redact(url), len(self.spent))
+        self.spent = await self.ledger.spend_by_key()
+        log.info("billing: ledger %s, spool %s, %d models priced, %d keys with spend",
+                 _redact(url), self.p.spool, len(self.book.models), len(self.spent))
+        if self.auth is None:
+            log.warning("billing: the usage API %s is not protected (no authenticator)",
+                        USAGE_PATH)
 
     async def stop(self) -> None:
         if self.ledger is not None:
@@ -127,9 +155,8 @@ class Billing(Plugin, RequestHook, UsageHook, CompletionHook, Lifecycle, RoutePr
     # -- request path ---------------------------------------------------------------------
     async def on_request(self, req: InferenceRequest, state: CycleState) -> None:
         budget = getattr(req.principal, "budget_usd", None)
-        over = isinstance(budget, Decimal) and req.key_id is not None and (
-            self.spent.get(req.key_id, ZERO) >= budget)
-        if over:
+        if isinstance(budget, Decimal) and req.key_id is not None and (
+                self.spent.get(req.key_id, ZERO) >= budget):
             raise RateLimited(f"API key {req.key_id!r} has used its budget of ${budget}",
                               code="insufficient_quota")
 
@@ -138,7 +165,11 @@ class Billing(Plugin, RequestHook, UsageHook, CompletionHook, Lifecycle, RoutePr
         priced = self._price(req, state, target, usage)
         if priced is not None:
             state.put(COST, priced)
-            add_response_header(state, self.p.cost_header, str(priced.total))
+            add_response_header(state, self.p.cost_header, money_str(priced.total))
+        if self.ledger is not None:  # durable before the client's response ends
+            early = Outcome(OutcomeKind.DONE, 200, usage,
+                            total_s=time.monotonic() - req.received_at)
+            await self.ledger.submit(_record(req, state, target, early, usage, priced))
 
     def _price(self, req: InferenceRequest, state: CycleState, target: Endpoint,
                usage: Usage) -> Cost | None:
@@ -164,8 +195,8 @@ class Billing(Plugin, RequestHook, UsageHook, CompletionHook, Lifecycle, RoutePr
 
     def _processed(self, req: InferenceRequest, state: CycleState, outcome: Outcome) -> Usage:
         """What the engine is known to have done when no usage arrived."""
-        if outcome.status >= 400 and outcome.chunks_relayed == 0:
-            return Usage(0, 0, None)  # rejected before any work
+        if outcome.kind is OutcomeKind.UPSTREAM_ERROR and outcome.chunks_relayed == 0:
+            return Usage(0, 0, None)  # the engine failed before any work reached the client
         ids = state.get(TOKEN_IDS)
         prompt = len(ids) if ids is not None else req.prompt_token_estimate
         return Usage(prompt, outcome.chunks_relayed, None)
@@ -181,28 +212,19 @@ class Billing(Plugin, RequestHook, UsageHook, CompletionHook, Lifecycle, RoutePr
 
     # -- usage API --------------------------------------------------------------------------
     def routes(self) -> Sequence[Route]:
-        return [Route("GET", "/v1/organization/usage/completions", self._usage_api)]
+        return [Route("GET", USAGE_PATH, self._usage_api)]
 
     async def _usage_api(self, request: HttpRequest) -> HttpResponse:
         if self.auth is not None:
             key = self.auth.authenticate(request.headers.get("authorization"))
             if not getattr(key, "admin", False):
                 raise Forbidden("the usage API needs an admin key", code="admin_required")
-        q = request.query
         try:
-            start = int(q["start_time"][0])
-            end = int(q.get("end_time", [str(int(_now().timestamp()))])[0])
-            width = q.get("bucket_width", ["1d"])[0]
-            group_by = [g for v in q.get("group_by", []) for g in v.split(",") if g]
-        except (KeyError, ValueError):
-            raise BadRequest("start_time (unix seconds) is required; end_time is an integer",
-                             param="start_time") from None
+            query = parse_usage_params(request.query, int(_now().timestamp()))
+        except UsageQueryError as exc:
+            raise BadRequest(str(exc), param=exc.param) from None
         assert self.ledger is not None
-        records = await self.ledger.query(from_unix(start), from_unix(end))
-        try:
-            page = usage_page(records, start, end, width, group_by)
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from None
+        page = await self.ledger.usage_page(query)
         return HttpResponse(200, json.dumps(page).encode())
 
     def collector(self) -> Collector:
@@ -214,8 +236,10 @@ class _BillingCollector(Collector):
         self._b = billing
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        tokens = CounterMetricFamily("kvgate_billed_tokens", "Tokens recorded in the ledger",
-                                     labels=["tenant", "model", "kind"])
+        tokens = CounterMetricFamily(
+            "kvgate_billed_tokens", "Tokens recorded in the ledger (kind: prompt includes "
+            "cached; cached counts reported and estimated cached tokens)",
+            labels=["tenant", "model", "kind"])
         for (tenant, model, kind), n in sorted(self._b.tokens.items()):
             tokens.add_metric([tenant, model, kind], n)
         money = CounterMetricFamily("kvgate_cost_usd", "Cost recorded in the ledger (USD)",
@@ -226,7 +250,11 @@ class _BillingCollector(Collector):
         yield money
 
 
-_DAY = dt.timedelta(days=1)
+def _make_dirs(url: str, spool: Path) -> None:
+    """The spool directory and a SQLite ledger's directory (blocking: run in a thread)."""
+    if url.startswith("sqlite:///"):
+        Path(url.removeprefix("sqlite://")).parent.mkdir(parents=True, exist_ok=True)
+    spool.mkdir(parents=True, exist_ok=True)
 
 
 def _now() -> dt.datetime:
@@ -242,24 +270,29 @@ def _redact(url: str) -> str:
     return f"{scheme}://{cred.split(':')[0]}:***@{tail}"
 
 
+def _status(outcome: Outcome) -> int:
+    """The HTTP status the client got; 499 (nginx's "client closed request") when it left
+    before any response started."""
+    if outcome.kind is OutcomeKind.CLIENT_DISCONNECT and outcome.status == 0:
+        return 499
+    return outcome.status
+
+
 def _record(req: InferenceRequest, state: CycleState, target: Endpoint, outcome: Outcome,
             usage: Usage, priced: Cost | None) -> LedgerRecord:
-    c = priced
     session = state.get(SESSION_KEY)
+    money = cost_fields(priced)
+    if priced is None:
+        money["cached_tokens"] = usage.cached_tokens
+        money["cached_source"] = "unknown" if usage.cached_tokens is None else "reported"
     return LedgerRecord(
         request_id=req.request_id, ts=_now(), tenant=req.tenant or "-",
         key_id=req.key_id or "-", model=req.model, engine=target.id,
         prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-        cached_tokens=usage.cached_tokens if c is None or c.cached_source == "reported" else None,
-        cached_source=c.cached_source.value if c is not None else (
-            "reported" if usage.cached_tokens is not None else "unknown"),
-        cost_input=c.input if c else ZERO, cost_cached_input=c.cached_input if c else ZERO,
-        cost_output=c.output if c else ZERO, cost_cache_write=c.cache_write if c else ZERO,
-        cost_discount=c.discount if c else ZERO, cost_total=c.total if c else ZERO,
-        outcome=outcome.kind.value, status=outcome.status, ttft_s=outcome.ttft_s,
+        outcome=outcome.kind.value, status=_status(outcome), ttft_s=outcome.ttft_s,
         total_s=outcome.total_s, session=None if session is None else str(session),
-        priced=c is not None and outcome.usage is not None,
+        priced=priced is not None and outcome.usage is not None, **money,
     )
 
 
-__all__ = ["COST", "Billing"]
+__all__ = ["COST", "USAGE_PATH", "Billing"]

@@ -1,20 +1,11 @@
-"""The ledger on a real PostgreSQL server started by these tests (Debian's ``postgresql``
-package: ``initdb``/``pg_ctl`` under /usr/lib/postgresql/*/bin; run as the ``postgres`` user
-when the tests run as root). Skipped, with the reason, when the server binaries or psycopg are
+"""The ledger on a real PostgreSQL server started by these tests (tests/pg_server.py: Debian's
+``postgresql`` package). Skipped, with the reason, when the server binaries or psycopg are
 missing: ``apt-get install -y postgresql`` and ``pip install 'kvgate[postgres]'``."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
-import glob
-import os
-import pwd
-import shutil
-import socket
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
@@ -24,6 +15,7 @@ import pytest
 from pricing.backends import LedgerUnavailable, open_backend
 from pricing.ledger import Ledger
 from pricing.records import LedgerRecord
+from tests.pg_server import PgServer, free_port, pg_server
 from tests.unit.pricing.helpers import T0, random_records, record
 from tests.unit.pricing.test_cli import _run
 from tests.unit.pricing.test_usage_api import check_backend_agrees
@@ -32,84 +24,10 @@ psycopg = pytest.importorskip("psycopg", reason="pip install 'kvgate[postgres]'"
 ALL = (dt.datetime(2000, 1, 1, tzinfo=dt.UTC), dt.datetime(2100, 1, 1, tzinfo=dt.UTC))
 
 
-def _pg_bin() -> Path | None:
-    found = shutil.which("pg_ctl")
-    candidates = [found] if found else []
-    candidates += sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"), reverse=True)
-    for c in candidates:
-        if (Path(c).parent / "initdb").exists():
-            return Path(c).parent
-    return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-class PgServer:
-    """One throwaway cluster: trust auth on 127.0.0.1, socket in its data directory."""
-
-    def __init__(self, bindir: Path) -> None:
-        self.bindir = bindir
-        self.run_as = "postgres" if os.geteuid() == 0 else None
-        self.dir = Path(tempfile.mkdtemp(prefix="kvgate-pg-"))
-        if self.run_as:
-            user = pwd.getpwnam(self.run_as)
-            os.chown(self.dir, user.pw_uid, user.pw_gid)
-        self.data = self.dir / "data"
-        self.port = _free_port()
-
-    def _pg(self, tool: str, *args: str) -> None:
-        cmd = [str(self.bindir / tool), *args]
-        if self.run_as:
-            cmd = ["runuser", "-u", self.run_as, "--", *cmd]
-        subprocess.run(cmd, check=True, capture_output=True, timeout=60)
-
-    def init(self) -> None:
-        self._pg("initdb", "-D", str(self.data), "-A", "trust", "-U", "kvgate", "-E", "UTF8",
-                 "--no-sync")
-
-    def start(self) -> None:
-        opts = f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1"
-        self._pg("pg_ctl", "-D", str(self.data), "-l", str(self.dir / "log"), "-o", opts,
-                 "-w", "-t", "30", "start")
-
-    def stop(self) -> None:
-        self._pg("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
-
-    def url(self, db: str = "postgres") -> str:
-        return f"postgresql://kvgate@127.0.0.1:{self.port}/{db}"
-
-    def fresh_db(self, name: str) -> str:
-        with psycopg.connect(self.url(), autocommit=True) as conn:
-            conn.execute(f"CREATE DATABASE {name}")
-        return self.url(name)
-
-
 @pytest.fixture(scope="module")
 def pg() -> Iterator[PgServer]:
-    bindir = _pg_bin()
-    if bindir is None:
-        pytest.skip("PostgreSQL server binaries not found (apt-get install -y postgresql)")
-    if os.geteuid() == 0:
-        try:
-            pwd.getpwnam("postgres")
-        except KeyError:
-            pytest.skip("running as root and no 'postgres' user to run the server as")
-        if shutil.which("runuser") is None:
-            pytest.skip("running as root and runuser is missing")
-    server = PgServer(bindir)
-    try:
-        server.init()
-        server.start()
+    with pg_server() as server:
         yield server
-    finally:
-        with contextlib.suppress(subprocess.SubprocessError):
-            server.stop()
-        shutil.rmtree(server.dir, ignore_errors=True)
 
 
 def _count(url: str) -> int:
@@ -213,7 +131,7 @@ def test_ledger_starts_while_the_database_is_down(pg: PgServer, tmp_path: Path) 
 
 
 def test_connection_errors_never_carry_the_password() -> None:
-    backend = open_backend(f"postgresql://kvgate:s3cret-pw@127.0.0.1:{_free_port()}/x",
+    backend = open_backend(f"postgresql://kvgate:s3cret-pw@127.0.0.1:{free_port()}/x",
                            connect_timeout_s=1)
     with pytest.raises(LedgerUnavailable) as info:
         backend.write([record("a")])
