@@ -12,8 +12,7 @@ import logging
 import time
 import urllib.parse
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Mapping
 
 import aiohttp
 
@@ -29,7 +28,13 @@ from middleware.asgi import (
     send_json,
 )
 from middleware.config import GatewayConfig
-from middleware.errors import HTTPError, MethodNotAllowed, NotFound, internal_error
+from middleware.errors import (
+    HTTPError,
+    MethodNotAllowed,
+    NotFound,
+    internal_error,
+    model_not_found,
+)
 from middleware.gateway import Gateway
 from middleware.metrics import GatewayMetrics
 from middleware.pipeline import build_pipeline
@@ -41,6 +46,7 @@ from middleware.types import Api
 log = logging.getLogger("kvgate.app")
 
 _INFERENCE = {"/v1/chat/completions": Api.CHAT, "/v1/completions": Api.COMPLETIONS}
+_MODELS_PREFIX = "/v1/models/"
 _PROMETHEUS_CT = (b"content-type", b"text/plain; version=0.0.4; charset=utf-8")
 
 
@@ -131,9 +137,9 @@ class KvgateApp:
             elif path == "/metrics":
                 _require(method, "GET")
                 await send_bytes(send, 200, self.metrics.render(), [_PROMETHEUS_CT])
-            elif path == "/v1/models":
+            elif path == "/v1/models" or path.startswith(_MODELS_PREFIX):
                 _require(method, "GET")
-                await send_json(send, 200, self._models())
+                await send_json(send, 200, self._models(path, header_map(scope)))
             else:
                 await self._plugin_route(scope, receive, send)
         except HTTPError as err:
@@ -169,12 +175,27 @@ class KvgateApp:
             "engines_healthy": healthy, "engines_total": len(engines), "engines": engines,
         })
 
-    def _models(self) -> dict[str, Any]:
+    def _models(self, path: str, headers: dict[str, str]) -> Mapping[str, object]:
+        """``GET /v1/models[/{id}]``: from the catalog plugin if configured (authenticated then,
+        filtered by the key's allow-list), else the models the engines serve."""
+        model_id = path[len(_MODELS_PREFIX):] if path.startswith(_MODELS_PREFIX) else None
+        catalog = self.pipeline.catalog
+        if catalog is not None:
+            auth = self.pipeline.authenticator
+            principal = None if auth is None else auth.authenticate(headers.get("authorization"))
+            if model_id is None:
+                return {"object": "list", "data": list(catalog.list_models(principal))}
+            return catalog.get_model(model_id, principal)
         data = [
             {"id": m, "object": "model", "created": self.started_at, "owned_by": "kvgate"}
             for m in sorted(self.pool.models())
         ]
-        return {"object": "list", "data": data}
+        if model_id is None:
+            return {"object": "list", "data": data}
+        for card in data:
+            if card["id"] == model_id:
+                return card
+        raise model_not_found(model_id, self.pool.models())
 
 
 def _require(method: str, expected: str) -> None:

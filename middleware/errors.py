@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -129,6 +131,13 @@ class UpstreamHTTPError(HTTPError):
         self.status = status
         self.raw_body = body
         self.content_type = content_type
+
+
+def model_not_found(name: str, known: Iterable[str]) -> ModelNotFound:
+    """404 for an unknown model, naming the closest known names (difflib, at most 5)."""
+    close = difflib.get_close_matches(name, sorted(known), n=5, cutoff=0.5)
+    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    return ModelNotFound(f"the model {name!r} does not exist{hint}", param="model")
 
 
 def internal_error(request_id: str) -> HTTPError:

@@ -29,14 +29,15 @@ from middleware.config import GatewayConfig
 from middleware.disagg import TwoHop, UsageRewriter
 from middleware.errors import (
     HTTPError,
-    ModelNotFound,
     NoEndpointAvailable,
     UpstreamError,
     UpstreamHTTPError,
     internal_error,
+    model_not_found,
 )
 from middleware.metrics import GatewayMetrics
 from middleware.pipeline import Pipeline
+from middleware.plan import MODEL_PLAN, PlanRunner
 from middleware.pool import EndpointPool
 from middleware.requests import parse_request, request_id
 from middleware.sse import SSETap
@@ -136,14 +137,24 @@ class Gateway:
         state = CycleState()
         for hook in self.pipeline.request_hooks:
             await hook.on_request(req, state)
-        eps = self.pool.snapshot()
+        plan = state.get(MODEL_PLAN)  # set by a model catalog: pools, providers, fallbacks
+        if plan is not None:
+            return await PlanRunner(self, _race).run(plan, req, state, receive, send, extra)
+        return await self.serve_engines(req, state, receive, send, extra, self.pool.snapshot())
+
+    async def serve_engines(
+        self, req: InferenceRequest, state: CycleState, receive: Receive, send: Send,
+        extra: Headers, eps: Sequence[Endpoint], profile: str | None = None,
+    ) -> int:
+        """Schedule over ``eps`` (with one named profile, or the configured profiles) and
+        dispatch, retrying elsewhere on failures before the first byte."""
         self._check_model(req, eps)
         for producer in self.pipeline.producers:
             await producer.prepare(req, state, eps)
         excluded: set[str] = set()
         attempts = 1 + self.config.server.retries
         for attempt in range(attempts):
-            decision = self._schedule(req, state, eps, excluded)
+            decision = self._schedule(req, state, eps, excluded, profile)
             last = attempt == attempts - 1
             try:
                 return await self._dispatch(req, state, decision, receive, send, extra, last)
@@ -162,14 +173,17 @@ class Gateway:
             raise NoEndpointAvailable("no healthy engine is available")
         if any(ep.healthy and not ep.models for ep in eps):
             return  # an engine's models are not discovered yet: let the filters decide
-        raise ModelNotFound(f"the model {req.model!r} does not exist", param="model")
+        raise model_not_found(req.model, self.pool.models())
 
     def _schedule(
-        self, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint], excluded: set[str]
+        self, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint], excluded: set[str],
+        profile: str | None = None,
     ) -> RoutingDecision:
         candidates = [ep for ep in eps if ep.id not in excluded] if excluded else eps
         if not candidates:
             raise NoEndpointAvailable("no other engine left to retry on")
+        if profile is not None:
+            return self.pipeline.scheduler.schedule_profile(profile, req, state, candidates)
         return self.pipeline.scheduler.schedule(req, state, candidates)
 
     async def _dispatch(

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ValidationError
 
+from middleware.backend import Backend
 from middleware.config import GatewayConfig, PluginConfig, ProfileConfig
 from middleware.connector import Connector
 from middleware.engine import EngineAdapter
@@ -23,6 +24,7 @@ from middleware.plugin import (
     EndpointSetListener,
     Filter,
     Lifecycle,
+    ModelCatalog,
     Picker,
     Plugin,
     ProfileHandler,
@@ -56,6 +58,10 @@ class Pipeline:
     routes: Mapping[tuple[str, str], Route] = field(default_factory=dict)
     #: The KV-transfer connector for two-hop (prefill/decode) dispatch, if configured.
     connector: Connector | None = None
+    #: In-process model backends by kind (``kvgate.engines`` entries implementing Backend).
+    backends: Mapping[str, Backend] = field(default_factory=dict)
+    #: The model catalog plugin (serves /v1/models), if one is configured.
+    catalog: ModelCatalog | None = None
 
 
 class _Lookup:
@@ -174,6 +180,9 @@ def _adapters(config: GatewayConfig, registry: Registry) -> dict[str, EngineAdap
             if adapter is None:
                 known = ", ".join(sorted(registry.engines)) or "none"
                 raise ConfigError(f"{where}: unknown engine kind {ec.kind!r} (known: {known})")
+            if not isinstance(adapter, EngineAdapter):
+                raise ConfigError(f"{where}: engine kind {ec.kind!r} is not an HTTP engine "
+                                  "(use it from the model catalog)")
             adapters[ec.kind] = adapter
     return adapters
 
@@ -233,6 +242,31 @@ def _connector(config: GatewayConfig, registry: Registry) -> Connector | None:
     return connector
 
 
+def _backends(registry: Registry) -> dict[str, Backend]:
+    """Every registered engine kind that is an in-process Backend (construction is cheap)."""
+    found: dict[str, Backend] = {}
+    for kind in registry.engines:
+        obj = registry.adapter(kind)
+        if isinstance(obj, Backend):
+            found[kind] = obj
+    return found
+
+
+def _catalog(
+    config: GatewayConfig, plugins: Mapping[str, Plugin], backends: Mapping[str, Backend]
+) -> ModelCatalog | None:
+    found = [(n, p) for n, p in plugins.items() if isinstance(p, ModelCatalog)]
+    if len(found) > 1:
+        names = ", ".join(repr(n) for n, _ in found)
+        raise ConfigError(f"{config.source}: at most one model catalog plugin, found {names}")
+    if not found:
+        return None
+    engines = {ec.name: frozenset(ec.models) for ec in config.engines}
+    profiles = frozenset(pc.name for pc in config.profiles)
+    found[0][1].check(engines, profiles, frozenset(backends))
+    return found[0][1]
+
+
 def build_pipeline(config: GatewayConfig, registry: Registry) -> Pipeline:
     """Instantiate and validate everything; raises ConfigError on the first problem."""
     source = config.source
@@ -249,6 +283,7 @@ def build_pipeline(config: GatewayConfig, registry: Registry) -> Pipeline:
         profiles[prof.name] = _build_profile(source, prof, built)
     _check_state_keys(source, built)
     handler = _pick_handler(config, built, profiles)
+    backends = _backends(registry)
     values = list(built.values())
     return Pipeline(
         plugins=built,
@@ -264,4 +299,6 @@ def build_pipeline(config: GatewayConfig, registry: Registry) -> Pipeline:
         routes=_routes(source, built),
         authenticator=_authenticator(source, built),
         connector=_connector(config, registry),
+        backends=backends,
+        catalog=_catalog(config, built, backends),
     )

@@ -79,6 +79,14 @@ class Scheduler:
         scored = [ScoredEndpoint(ep, totals[ep.id]) for ep in eps]
         return profile.picker.pick(state, scored, self.rng)
 
+    def schedule_profile(
+        self, name: str, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]
+    ) -> RoutingDecision:
+        """Run the one named profile (a catalog entry's routing profile), no profile handler."""
+        result = self.run_profile(self.profiles[name], req, state, eps)
+        return RoutingDecision(target=result.target, alternates=result.endpoints[1:],
+                               profiles={name: result})
+
     def schedule(
         self, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]
     ) -> RoutingDecision:
