@@ -82,7 +82,7 @@ async def _client(url: str, keys: Keys, worker: int, done: set[str],
                         **keys.auth("admin" if worker % 2 else "user"), "x-request-id": rid}
                         ) as resp:
                     text = await resp.text()
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 continue
             complete = text.endswith("data: [DONE]\n\n") if stream else '"usage"' in text
             if resp.status == 200 and complete:
