@@ -254,17 +254,19 @@ def _backends(registry: Registry) -> dict[str, Backend]:
 
 def _catalog(
     config: GatewayConfig, plugins: Mapping[str, Plugin], backends: Mapping[str, Backend]
-) -> ModelCatalog | None:
+) -> tuple[ModelCatalog | None, dict[str, Backend]]:
+    """The catalog plugin (checked against the config) and the backends it uses."""
     found = [(n, p) for n, p in plugins.items() if isinstance(p, ModelCatalog)]
     if len(found) > 1:
         names = ", ".join(repr(n) for n, _ in found)
         raise ConfigError(f"{config.source}: at most one model catalog plugin, found {names}")
     if not found:
-        return None
+        return None, {}
+    catalog = found[0][1]
     engines = {ec.name: frozenset(ec.models) for ec in config.engines}
     profiles = frozenset(pc.name for pc in config.profiles)
-    found[0][1].check(engines, profiles, frozenset(backends))
-    return found[0][1]
+    catalog.check(engines, profiles, frozenset(backends))
+    return catalog, {k: backends[k] for k in catalog.backend_kinds() if k in backends}
 
 
 def build_pipeline(config: GatewayConfig, registry: Registry) -> Pipeline:
@@ -283,7 +285,7 @@ def build_pipeline(config: GatewayConfig, registry: Registry) -> Pipeline:
         profiles[prof.name] = _build_profile(source, prof, built)
     _check_state_keys(source, built)
     handler = _pick_handler(config, built, profiles)
-    backends = _backends(registry)
+    catalog, backends = _catalog(config, built, _backends(registry))
     values = list(built.values())
     return Pipeline(
         plugins=built,
@@ -295,10 +297,11 @@ def build_pipeline(config: GatewayConfig, registry: Registry) -> Pipeline:
         usage_hooks=tuple(p for p in values if isinstance(p, UsageHook)),
         completion_hooks=tuple(p for p in values if isinstance(p, CompletionHook)),
         listeners=tuple(p for p in values if isinstance(p, EndpointSetListener)),
-        lifecycles=tuple(p for p in values if isinstance(p, Lifecycle)),
+        lifecycles=(*(p for p in values if isinstance(p, Lifecycle)),
+                    *(b for b in backends.values() if isinstance(b, Lifecycle))),
         routes=_routes(source, built),
         authenticator=_authenticator(source, built),
         connector=_connector(config, registry),
         backends=backends,
-        catalog=_catalog(config, built, backends),
+        catalog=catalog,
     )

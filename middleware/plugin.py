@@ -235,6 +235,10 @@ class ModelCatalog(Protocol):
         """``engines``: engine name -> configured models (empty: discovered at run time)."""
         ...
 
+    def backend_kinds(self) -> frozenset[str]:
+        """The in-process backend kinds its models use (started with the app)."""
+        ...
+
     def list_models(self, principal: Principal | None) -> Sequence[Mapping[str, object]]:
         """The models ``principal`` may use, as OpenAI model objects."""
         ...

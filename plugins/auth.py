@@ -8,6 +8,7 @@ Keys file (YAML)::
         tenant: acme               # who pays; scopes sessions and prefix records
         sha256: 9f86d0...          # hex SHA-256 of the whole key string
         models: [sim-model]        # optional allow-list (public model names); absent: all
+                                   # (with ``catalog``: catalog names or aliases)
         admin: false               # may read /v1/organization/usage/*
         budget_usd: "25.00"        # optional spend limit, enforced by the billing plugin
 
@@ -19,6 +20,7 @@ needs no per-key work. ``disabled: true`` turns auth off for local use (every re
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import secrets
@@ -26,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Protocol, runtime_checkable
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -128,6 +130,9 @@ class ApiKeys(Plugin, Authenticator, RequestHook):
         model_config = ConfigDict(extra="forbid", frozen=True)
         file: str | None = None
         disabled: bool = False
+        #: The catalog plugin (declared before this one): allow-lists name catalog models or
+        #: aliases, checked at startup; requests are checked after alias resolution.
+        catalog: str | None = None
 
         @model_validator(mode="after")
         def _need_file(self) -> ApiKeys.Params:
@@ -142,6 +147,13 @@ class ApiKeys(Plugin, Authenticator, RequestHook):
         assert isinstance(params, ApiKeys.Params)
         self.disabled = params.disabled
         self._keys = {} if params.file is None else load_keys(Path(params.file))
+        self.catalog: ModelResolver | None = None
+        if params.catalog is not None:
+            found = plugins.lookup(params.catalog)
+            if not isinstance(found, ModelResolver):
+                raise ConfigError(f"catalog {params.catalog!r} is not a model catalog plugin")
+            self.catalog = found
+            self._keys = _canonical_keys(params.file or "-", self._keys, found)
         if self.disabled:
             log.warning("authentication is DISABLED: every request is accepted as tenant 'local'")
         else:
@@ -165,12 +177,40 @@ class ApiKeys(Plugin, Authenticator, RequestHook):
         key = req.principal
         if not isinstance(key, ApiKey):
             raise Unauthorized("request was not authenticated")
-        if key.models is not None and req.model not in key.models:
+        model = req.model
+        if self.catalog is not None:
+            model = self.catalog.canonical(model) or model
+        if key.models is not None and model not in key.models:
             raise Forbidden(
                 f"API key {key.key_id!r} may not use model {req.model!r}",
                 code="model_not_allowed",
             )
         state.put(API_KEY, key)
+
+
+@runtime_checkable
+class ModelResolver(Protocol):
+    """A model catalog that maps names and aliases to public names (plugins.catalog)."""
+
+    def canonical(self, name: str) -> str | None: ...
+
+
+def _canonical_keys(source: str, keys: dict[str, ApiKey],
+                    catalog: ModelResolver) -> dict[str, ApiKey]:
+    """Keys with allow-lists of public catalog names (aliases resolved; unknown: error)."""
+    out: dict[str, ApiKey] = {}
+    for digest, key in keys.items():
+        if key.models is not None:
+            names = set()
+            for model in sorted(key.models):
+                name = catalog.canonical(model)
+                if name is None:
+                    raise ConfigError(f"{source}: key {key.key_id!r}: model {model!r} is not "
+                                      "in the catalog")
+                names.add(name)
+            key = dataclasses.replace(key, models=frozenset(names))
+        out[digest] = key
+    return out
 
 
 def format_entry(key_id: str, tenant: str, key: str, models: Sequence[str], admin: bool) -> dict[
