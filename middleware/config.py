@@ -256,3 +256,47 @@ def with_billing(
             params.update({"file": keys, "disabled": False})
     data["plugins"] = [*added, *plugins]
     return parse_config(data, config.source)
+
+
+#: ``kvgate serve --pd-protocol`` values -> ``kvgate.connectors`` names.
+PD_CONNECTORS: dict[str, str] = {
+    "nixl": "vllm-nixl", "mooncake": "vllm-mooncake", "sglang": "sglang",
+}
+
+
+def pd_profile(min_uncached_tokens: int = 256) -> dict[str, Any]:
+    """The default prefill/decode composition (configuration data; docs/disaggregation.md):
+    decode first (healthy decode engines serving the model, fewest in-flight requests), then a
+    prefill hop when at least ``min_uncached_tokens`` of the prompt are not on that decode
+    engine (healthy prefill engines, fewest in-flight requests)."""
+    common = [{"ref": "health-filter"}, {"ref": "model-filter"}]
+    tail = [{"ref": "least-in-flight-scorer", "weight": 1.0}, {"ref": "max-score-picker"}]
+    return {
+        "plugins": [
+            {"type": "health-filter"}, {"type": "model-filter"},
+            {"type": "role-filter", "name": "decode-role", "params": {"role": "decode"}},
+            {"type": "role-filter", "name": "prefill-role", "params": {"role": "prefill"}},
+            {"type": "least-in-flight-scorer"}, {"type": "max-score-picker"},
+            {"type": "pd-profile-handler",
+             "params": {"min_uncached_tokens": min_uncached_tokens}},
+        ],
+        "profiles": [
+            {"name": "decode", "plugins": [*common, {"ref": "decode-role"}, *tail]},
+            {"name": "prefill", "plugins": [*common, {"ref": "prefill-role"}, *tail]},
+        ],
+        "profile_handler": "pd-profile-handler",
+    }
+
+
+def pd_config_data(
+    prefill: list[str], decode: list[str], protocol: str = "nixl", kind: str = "vllm",
+) -> dict[str, Any]:
+    """Config data for a P/D fleet behind :func:`pd_profile` (``kvgate serve --prefill``)."""
+    if protocol not in PD_CONNECTORS:
+        raise ConfigError(f"unknown P/D protocol {protocol!r} (known: {', '.join(PD_CONNECTORS)})")
+    engines = [{"name": f"prefill-{i}", "url": u, "kind": kind, "role": "prefill"}
+               for i, u in enumerate(prefill)]
+    engines += [{"name": f"decode-{i}", "url": u, "kind": kind, "role": "decode"}
+                for i, u in enumerate(decode)]
+    return {"engines": engines, **pd_profile(),
+            "disaggregation": {"connector": PD_CONNECTORS[protocol]}}

@@ -67,10 +67,14 @@ class UsageRewriter:
         cached = self.hit.for_client(reported_cached(payload), self.convention)
         return rewrite_usage(payload, cached)
 
-    async def rewrite_json(self, body: bytes) -> bytes:
-        """A whole JSON answer, after waiting (bounded) for a concurrent prefill's answer."""
+    async def settle(self) -> None:
+        """Wait (bounded) for a concurrent prefill's answer, which carries its cache hit."""
         if self._settle is not None:
             await self._settle()
+
+    async def rewrite_json(self, body: bytes) -> bytes:
+        """A whole JSON answer, after waiting (bounded) for a concurrent prefill's answer."""
+        await self.settle()
         try:
             payload: Any = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError):

@@ -274,6 +274,8 @@ class Gateway:
         except asyncio.CancelledError:  # client gone, or a concurrent prefill fell back
             resp.close()
             raise
+        if rewriter is not None:  # decode answers after the prefill: its hit is (nearly) due
+            await rewriter.settle()
         tap = SSETap(adapter.extract_usage, strip_usage=not req.client_wants_usage,
                      rewrite=None if rewriter is None else rewriter.rewrite_chunk)
         progress.headers[:0] = _SSE_HEADERS

@@ -24,6 +24,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import aiohttp
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -34,6 +35,15 @@ from engines.sim.config import SimConfig
 from engines.sim.engine import EngineDead, EngineOverloaded, RequestHandle, SimEngine
 from engines.sim.faults import FaultSpec, FaultState
 from engines.sim.metrics import render_metrics
+from engines.sim.pd import (
+    KvBoard,
+    Transfer,
+    fetch_transfer,
+    is_prefill_request,
+    nixl_answer_params,
+    transfer_key,
+    transfer_seconds,
+)
 from engines.sim.protocol import (
     SSE_DONE,
     Api,
@@ -60,6 +70,8 @@ class SimHandles:
     config: SimConfig
     engine: SimEngine
     faults: FaultState
+    #: Finished prefills awaiting their decode engine (prefill role, concurrent protocols).
+    board: KvBoard
 
 
 def sim_handles(app: Starlette) -> SimHandles:
@@ -114,43 +126,97 @@ class _Api:
             return _error(ApiError(status, "simulated engine failure (fault injection)"), headers)
         try:
             req = parse_request(api, await _read_json(request), self.config)
-            handle = self.execute(req, request_id)
+            handle, transfer = await self.execute(req, request_id)
         except ApiError as exc:
             return _error(exc, headers)
         prefix = "chatcmpl-" if api == "chat" else "cmpl-"
         shaper = Shaper(req, prefix + request_id, int(time.time()),
                         self.config.enable_prompt_tokens_details)
+        run = _Run(req, handle, transfer, request_id)
         if req.stream:
             return EventStreamResponse(
-                self._sse_events(handle, shaper), handle.abort, faults.take_drop(), headers)
-        return await self.answer_json(request, handle, shaper, headers)
+                self._sse_events(run, shaper), handle.abort, faults.take_drop(), headers)
+        return await self.answer_json(request, run, shaper, headers)
 
-    def execute(self, req: ParsedRequest, request_id: str) -> RequestHandle:
-        """Hand a parsed request to the engine. Role ``both``: prefill and decode locally."""
+    async def execute(
+        self, req: ParsedRequest, request_id: str
+    ) -> tuple[RequestHandle, Transfer | None]:
+        """Hand a parsed request to the engine according to the role (engines/sim/pd.py):
+        ``both`` prefills and decodes locally; ``prefill`` runs one token; ``decode`` first
+        receives the KV a prefill engine computed (waiting the transfer time), if any."""
+        max_tokens, min_tokens, transfer = req.max_tokens, req.min_tokens, None
+        if self.config.role == "prefill":
+            max_tokens, min_tokens = 1, 0
+        elif self.config.role == "decode":
+            async with aiohttp.ClientSession() as session:
+                transfer = await fetch_transfer(req, session, self.config.pd)
+            if transfer is not None:
+                seconds = transfer_seconds(transfer.tokens, self.config.pd)
+                await asyncio.sleep(seconds * self.config.time_scale)
         spec = SeqSpec(
-            request_id=request_id, prompt_ids=req.prompt_ids, max_tokens=req.max_tokens,
-            cache_salt=req.cache_salt, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
-            seed=req.seed,
+            request_id=request_id, prompt_ids=req.prompt_ids, max_tokens=max_tokens,
+            cache_salt=req.cache_salt, ignore_eos=req.ignore_eos, min_tokens=min_tokens,
+            seed=req.seed, external_tokens=0 if transfer is None else transfer.tokens,
         )
         try:
-            return self.h.engine.submit(spec)
+            return self.h.engine.submit(spec), transfer
         except (EngineOverloaded, EngineDead) as exc:
             raise ApiError(503, str(exc)) from None
 
+    def _finish_prefill(self, run: _Run) -> None:
+        """Prefill role: offer the finished prefill to its decode engine (or withdraw it)."""
+        key = transfer_key(run.req)
+        if self.config.role != "prefill" or key is None:
+            return
+        if run.handle.finish_reason in (None, "abort"):
+            self.h.board.fail(key)
+        else:
+            self.h.board.publish(key, Transfer(run.handle.prompt_tokens,
+                                               run.handle.cached_tokens))
+
+    def _usage(self, run: _Run) -> Usage:
+        """Usage; a decode that received KV reports per ``pd.decode_reports``."""
+        usage = _usage(run.handle)
+        hit = None if run.transfer is None else run.transfer.prefill_hit
+        if hit is not None and self.config.pd.decode_reports == "prefill-hit":
+            usage = Usage(usage.prompt_tokens, usage.completion_tokens, hit)
+        return usage
+
     async def answer_json(
-        self, request: Request, handle: RequestHandle, shaper: Shaper, headers: dict[str, str]
+        self, request: Request, run: _Run, shaper: Shaper, headers: dict[str, str]
     ) -> Response:
         """Wait for the whole completion (aborting it if the client leaves), answer JSON."""
+        handle = run.handle
         tokens = await until_done_or_disconnect(request.receive, handle.result(), handle.abort)
+        self._finish_prefill(run)
         if handle.finish_reason == "abort":
             return _error(ApiError(503, "request aborted"), headers)
-        body = shaper.full(tokens, _usage(handle), handle.finish_reason)
+        body = shaper.full(tokens, self._usage(run), handle.finish_reason)
+        if self.config.role == "prefill" and is_prefill_request(run.req) \
+                and transfer_key(run.req) is None:
+            body["kv_transfer_params"] = nixl_answer_params(
+                self.config.engine_id, request.url.hostname or "127.0.0.1",
+                request.url.port or 0, run.request_id, handle.prompt_tokens,
+                handle.cached_tokens, self.config.block_size)
         return JSONResponse(body, headers=headers)
 
+    async def kv_transfer(self, request: Request) -> Response:
+        """Prefill role: a decode engine's long poll for a finished prefill (engines/sim/pd.py)."""
+        key = request.path_params["key"]
+        try:
+            wait = min(float(request.query_params.get("timeout", "30")), 600.0)
+        except ValueError:
+            wait = 30.0
+        transfer = await self.h.board.take(key, wait)
+        if transfer is None:
+            return _error(ApiError(404, f"no finished prefill {key!r}"))
+        return JSONResponse({"tokens": transfer.tokens, "prefill_hit": transfer.prefill_hit})
+
     async def _sse_events(
-        self, handle: RequestHandle, shaper: Shaper
+        self, run: _Run, shaper: Shaper
     ) -> AsyncGenerator[bytes, None]:
         """The SSE events of a stream; ends without ``[DONE]`` if the request was aborted."""
+        handle = run.handle
         try:
             first = True
             async for tok in handle.tokens():
@@ -161,10 +227,11 @@ class _Api:
             if handle.finish_reason in (None, "abort"):
                 return
             if shaper.req.include_usage:
-                yield sse(shaper.usage_chunk(_usage(handle)))
+                yield sse(shaper.usage_chunk(self._usage(run)))
             yield SSE_DONE
         finally:
             handle.abort()  # no-op when finished; frees the request on any early exit
+            self._finish_prefill(run)
 
     # ---- everything else --------------------------------------------------------------------
 
@@ -220,6 +287,16 @@ class _Api:
         })
 
 
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """One inference request in flight: its parse, engine handle and received KV."""
+
+    req: ParsedRequest
+    handle: RequestHandle
+    transfer: Transfer | None
+    request_id: str
+
+
 def _usage(handle: RequestHandle) -> Usage:
     return Usage(handle.prompt_tokens, handle.completion_tokens, handle.cached_tokens)
 
@@ -233,7 +310,8 @@ def create_sim_app(config: SimConfig) -> Starlette:
     :func:`sim_handles`) holds the engine, the fault state and the config;
     ``app.state.engine`` is the engine itself.
     """
-    handles = SimHandles(config=config, engine=SimEngine(config), faults=FaultState())
+    handles = SimHandles(config=config, engine=SimEngine(config), faults=FaultState(),
+                         board=KvBoard(config.pd.board_limit))
     api = _Api(handles)
 
     @contextlib.asynccontextmanager
@@ -253,6 +331,7 @@ def create_sim_app(config: SimConfig) -> Starlette:
         Route("/reset_prefix_cache", api.reset_prefix_cache, methods=["POST"]),
         Route("/sim/faults", api.faults, methods=["GET", "POST", "DELETE"]),
         Route("/sim/state", api.state, methods=["GET"]),
+        Route("/sim/kv_transfer/{key}", api.kv_transfer, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.sim = handles

@@ -70,6 +70,28 @@ class KvEventsConfig(BaseModel):
     data_parallel_rank: int = Field(default=0, ge=0)
 
 
+class PdSimConfig(BaseModel):
+    """Prefill/decode roles: the KV transfer model (see :mod:`engines.sim.pd`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: KV bytes per token: 131 KB for the 8B model of the timing calibration (2 * 32 layers *
+    #: 8 KV heads * 128 * 2 B), the same figure as ``timing.kv_read_s_per_token``.
+    kv_bytes_per_token: int = Field(default=131_072, ge=1)
+    #: Effective transfer bandwidth, bytes/s: 25 GB/s, a 200 Gb/s RDMA NIC at full rate (one
+    #: 8k-token prompt, 1.07 GB, moves in ≈ 43 ms).
+    transfer_bytes_per_s: float = Field(default=25e9, gt=0)
+    #: Fixed cost of one transfer (handshake, descriptors), seconds.
+    transfer_setup_s: float = Field(default=2e-3, ge=0)
+    #: Decode's ``cached_tokens``: ``transferred`` (local hit + received KV, older vLLM) or
+    #: ``prefill-hit`` (the prefill side's own hit, vLLM 0.32).
+    decode_reports: Literal["transferred", "prefill-hit"] = "transferred"
+    #: How long a decode engine waits for a concurrent prefill (vLLM's KV lease is ~30 s).
+    wait_timeout_s: float = Field(default=30.0, gt=0)
+    #: Finished prefills kept for their decode engine (oldest dropped past it).
+    board_limit: int = Field(default=10_000, ge=1)
+
+
 class SimConfig(BaseModel):
     """One simulated vLLM engine."""
 
@@ -79,9 +101,11 @@ class SimConfig(BaseModel):
     engine_id: str = Field(default="sim", min_length=1)
     #: Model names served (``/v1/models``); requests for another model get 404.
     served_model_names: list[str] = Field(default_factory=lambda: ["sim-model"], min_length=1)
-    #: What the engine does. Only ``both`` (prefill and decode) exists today; prefill-only and
-    #: decode-with-transferred-KV roles slot into :mod:`engines.sim.app`'s request path.
-    role: Literal["both"] = "both"
+    #: What the engine does: ``both`` (everything), ``prefill`` (every request runs for one
+    #: token and its KV is offered for transfer) or ``decode`` (requests carrying transfer
+    #: parameters load the prefill's KV instead of computing it). See :mod:`engines.sim.pd`.
+    role: Literal["both", "prefill", "decode"] = "both"
+    pd: PdSimConfig = Field(default_factory=PdSimConfig)
     #: Tokens per KV block (vLLM's GPU default is 16). Cached token counts are multiples of it.
     block_size: int = Field(default=16, ge=1, le=1024)
     #: KV blocks in the cache. The H100 + 8B model of ``H100_TIMING.md`` holds ≈ 27,000 blocks

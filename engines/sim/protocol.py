@@ -58,6 +58,10 @@ class ParsedRequest:
     seed: int | None = None
     cache_salt: str | None = None
     kv_transfer_params: Mapping[str, Any] | None = None
+    #: SGLang's prefill/decode rendezvous fields, when sent.
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 def _is_int(value: Any) -> bool:
@@ -197,7 +201,17 @@ def parse_request(api: Api, body: Any, config: SimConfig) -> ParsedRequest:
         include_usage=include_usage, ignore_eos=_opt_bool(body, "ignore_eos"),
         min_tokens=min_tokens, seed=_opt_int(body, "seed"), cache_salt=body.get("cache_salt"),
         kv_transfer_params=body.get("kv_transfer_params"),
+        bootstrap_host=_opt_str(body, "bootstrap_host"),
+        bootstrap_port=_opt_int(body, "bootstrap_port", 1),
+        bootstrap_room=_opt_int(body, "bootstrap_room", 0),
     )
+
+
+def _opt_str(body: Mapping[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise ApiError(400, f"{name} must be a string", name)
+    return value
 
 
 def dumps(obj: Any) -> bytes:

@@ -62,6 +62,9 @@ class SeqSpec:
     ignore_eos: bool = False
     min_tokens: int = 0
     seed: int | None = None
+    #: Prompt tokens whose KV a prefill engine transferred (decode role): admitted as
+    #: computed, beyond the local cache hit, up to all but the last prompt token.
+    external_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +114,7 @@ class SeqState:
     ``private`` more blocks are reserved for it."""
 
     __slots__ = (
-        "cached_tokens", "computed", "finish_reason", "hashes", "held", "natural_len",
+        "cached_tokens", "computed", "external", "finish_reason", "hashes", "held", "natural_len",
         "num_prompt", "private", "rng", "root", "spec", "status", "tokens",
     )
 
@@ -125,6 +128,7 @@ class SeqState:
         self.private = 0
         self.root = root_hash(spec.cache_salt)
         self.cached_tokens: int | None = None
+        self.external = 0  # tokens loaded from a KV transfer at the first admission
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.rng = _output_rng(engine_seed, spec)
@@ -295,30 +299,35 @@ class Scheduler:
         seq.extend_hashes(self.block_size, n // self.block_size)
         hit = self.cache.match_blocks(seq.hashes[: (n - 1) // self.block_size])
         cached = hit * self.block_size
-        new = min(n - cached, budget)
-        need = self._blocks_for(cached + new) - hit
+        start = cached
+        if seq.cached_tokens is None:  # transferred KV counts at the first admission only
+            start = max(cached, min(seq.spec.external_tokens, n - 1))
+        new = min(n - start, budget)
+        need = self._blocks_for(start + new) - hit
         self.cache.acquire(seq.hashes[:hit])  # pinned before allocating evicts anything
         try:
             self._allocate(need)
         except CacheFull:
             self.cache.release(seq.hashes[:hit], 0)
             return None
-        seq.held, seq.private, seq.computed = hit, need, cached
+        seq.held, seq.private, seq.computed = hit, need, start
         self.waiting.popleft()
         self.running.append(seq)
         seq.status = Status.RUNNING
-        self._count_admission(seq, n, cached)
-        return Planned(seq, new, cached)
+        self._count_admission(seq, n, cached, start - cached)
+        return Planned(seq, new, start)
 
-    def _count_admission(self, seq: SeqState, tokens: int, cached: int) -> None:
+    def _count_admission(self, seq: SeqState, tokens: int, cached: int, external: int) -> None:
         s = self.stats
         s.prefix_cache_queries += tokens
         s.prefix_cache_hits += cached
         if seq.cached_tokens is None:  # the first admission is what usage reports
-            seq.cached_tokens = cached
+            seq.cached_tokens = cached + external  # vLLM counts received KV as cached
+            seq.external = external
             s.prompt_tokens += seq.num_prompt
             s.prompt_tokens_cache_hit += cached
-            s.prompt_tokens_local_compute += seq.num_prompt - cached
+            s.prompt_tokens_external += external
+            s.prompt_tokens_local_compute += seq.num_prompt - cached - external
 
     def _commit_full_blocks(self, seq: SeqState) -> None:
         """Cache blocks that became full; runs of new ones become ``BlockStored`` events."""

@@ -18,7 +18,7 @@ from engines.sim.config import KvEventsConfig, SimConfig
     {"served_model_names": ["a", "a"]},
     {"capacity_blocks": 4, "block_size": 16, "max_model_len": 65},
     {"natural_output_len": (5, 2)},
-    {"role": "prefill"},
+    {"role": "router"},
     {"timing": {"weight_read_s": -1}},
     {"kv_events": {"endpoint": "tcp://*:1", "encoding": "json"}},
 ])

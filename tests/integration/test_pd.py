@@ -1,0 +1,185 @@
+"""Prefill/decode disaggregation end to end on simulated engines: each connector protocol, the
+usage rewrite (JSON and SSE, both decode conventions), engine errors in either hop, fallback.
+
+Engines are in-process simulators on loopback ports (time_scale 0); the gateway runs in-process
+behind httpx.ASGITransport.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from engines.sim.config import PdSimConfig, SimConfig
+from engines.sim.faults import FaultSpec
+from engines.sim.testing import RunningSim, serve_sim
+from middleware.app import KvgateApp
+from middleware.config import pd_config_data
+from tests.integration.conftest import FAST_POOL, gateway
+
+PROTOCOLS = ["nixl", "mooncake", "sglang"]
+LONG = "Summarize the repository history and every open issue in detail. " * 60  # ~700 tokens
+
+
+@contextlib.asynccontextmanager
+async def pd_fleet(
+    protocol: str, prefill: int = 1, decode: int = 1, reports: str = "transferred",
+    **gw_extra: Any,
+) -> AsyncIterator[tuple[list[RunningSim], list[RunningSim], KvgateApp, httpx.AsyncClient]]:
+    pd = PdSimConfig(decode_reports=reports)
+    async with contextlib.AsyncExitStack() as stack:
+        pre = [await stack.enter_async_context(serve_sim(SimConfig(
+            engine_id=f"p{i}", role="prefill", time_scale=0.0, seed=7, pd=pd)))
+            for i in range(prefill)]
+        dec = [await stack.enter_async_context(serve_sim(SimConfig(
+            engine_id=f"d{i}", role="decode", time_scale=0.0, seed=7, pd=pd)))
+            for i in range(decode)]
+        data = pd_config_data([s.url for s in pre], [s.url for s in dec], protocol)
+        for eng, sim in zip(data["engines"], [*pre, *dec], strict=True):
+            eng["labels"] = {"bootstrap_port": str(sim.port)}  # the sim's bootstrap is HTTP
+        data["pool"] = FAST_POOL
+        data.update(gw_extra)
+        app, client = await stack.enter_async_context(gateway(data))
+        yield pre, dec, app, client
+
+
+def _body(stream: bool, content: str = LONG, **extra: Any) -> dict[str, Any]:
+    return {"model": "sim-model", "max_tokens": 8, "ignore_eos": True, "stream": stream,
+            "messages": [{"role": "user", "content": content}], **extra}
+
+
+def _sse_usage(text: str) -> tuple[str, dict[str, Any] | None]:
+    out, usage = "", None
+    for line in text.split("\n\n"):
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        assert "error" not in chunk, chunk
+        assert "kv_transfer_params" not in chunk
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for choice in chunk["choices"]:
+            out += choice["delta"].get("content", "")
+    return out, usage
+
+
+async def _ask(client: httpx.AsyncClient, stream: bool, **extra: Any) -> tuple[
+        httpx.Response, str, dict[str, Any] | None]:
+    body = _body(stream, **extra)
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    resp = await client.post("/v1/chat/completions", json=body)
+    if resp.status_code != 200:
+        return resp, "", None
+    if stream:
+        text, usage = _sse_usage(resp.text)
+        return resp, text, usage
+    data = resp.json()
+    if "x-kvgate-prefill-engine" in resp.headers:  # two hops: a plain OpenAI answer
+        assert "kv_transfer_params" not in data
+    return resp, data["choices"][0]["message"]["content"], data["usage"]
+
+
+def _cached_metric(app: KvgateApp) -> float:
+    for line in app.metrics.render().decode().splitlines():
+        if line.startswith('kvgate_tokens_total{kind="cached"'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("reports", ["transferred", "prefill-hit"])
+async def test_two_hops_transfer_kv_and_report_prefill_hit(
+    protocol: str, stream: bool, reports: str
+) -> None:
+    async with pd_fleet(protocol, reports=reports) as (pre, dec, app, client):
+        results = []
+        for _ in range(2):  # the second time the prefill engine holds the prompt
+            resp, text, usage = await _ask(client, stream)
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-kvgate-engine"] == "decode-0"
+            assert resp.headers["x-kvgate-prefill-engine"] == "prefill-0"
+            assert usage is not None
+            results.append((text, usage))
+        prompt = results[0][1]["prompt_tokens"]
+        assert prompt > 256
+        # the client sees the prefill side's own hit: 0 cold, then its block-aligned prefix
+        hits = [u["prompt_tokens_details"]["cached_tokens"] for _, u in results]
+        assert hits == [0, (prompt - 1) // 16 * 16]
+        assert _cached_metric(app) == sum(hits)  # what usage hooks (billing) saw
+        pstats, dstats = pre[0].engine.scheduler.stats, dec[0].engine.scheduler.stats
+        # computed on the prefill engine: all of it, then the part past its cached blocks
+        assert pstats.prompt_tokens_local_compute == prompt + (prompt - hits[1])
+        assert pstats.generation_tokens == 2  # one token per prefill hop
+        # the decode engine received the KV (all but the last token) the first time; the
+        # second time it found most of it in its own cache
+        assert dstats.prompt_tokens_external >= prompt - 1
+        assert dstats.prompt_tokens_local_compute == 2
+        assert results[0][0] == results[1][0] and results[0][0]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_output_equals_aggregated_engine(protocol: str) -> None:
+    async with pd_fleet(protocol) as (_, _dec, _app, client), \
+            serve_sim(SimConfig(engine_id="agg", time_scale=0.0, seed=7)) as agg:
+        _, text, _ = await _ask(client, False, temperature=0)
+        async with httpx.AsyncClient(base_url=agg.url) as direct:
+            plain = (await direct.post("/v1/chat/completions",
+                                       json=_body(False, temperature=0))).json()
+    assert text == plain["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_prefill_failure_falls_back_to_local_decode(protocol: str, stream: bool) -> None:
+    async with pd_fleet(protocol) as (pre, dec, app, client):
+        pre[0].faults.apply(FaultSpec(fail_next=1, status=500))
+        resp, text, usage = await _ask(client, stream)
+        assert resp.status_code == 200, resp.text
+        assert "x-kvgate-prefill-engine" not in resp.headers
+        assert text and usage is not None
+        dstats = dec[0].engine.scheduler.stats
+        assert dstats.prompt_tokens_external == 0
+        assert dstats.prompt_tokens_local_compute == usage["prompt_tokens"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+        assert app.gateway.two_hop is not None
+        assert app.gateway.two_hop.stats["fallback"] == 1
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_decode_failure_is_reported_and_prefill_cleaned_up(protocol: str) -> None:
+    async with pd_fleet(protocol) as (pre, dec, _app, client):
+        dec[0].faults.apply(FaultSpec(fail_next=1, status=500))
+        resp, _, _ = await _ask(client, False)
+        assert resp.status_code in (502, 503)
+        # nothing left waiting on the prefill engine's board, nothing running anywhere
+        assert len(pre[0].app.state.sim.board) <= 1
+        assert dec[0].engine.num_running == 0
+        # the fleet still serves
+        resp, _, usage = await _ask(client, False)
+        assert resp.status_code == 200 and usage is not None
+
+
+async def test_short_prompt_stays_on_decode() -> None:
+    async with pd_fleet("nixl") as (pre, dec, _app, client):
+        resp, text, usage = await _ask(client, False, content="hi")
+        assert resp.status_code == 200 and text
+        assert "x-kvgate-prefill-engine" not in resp.headers
+        assert pre[0].engine.scheduler.stats.prompt_tokens == 0
+        assert usage is not None and dec[0].engine.scheduler.stats.prompt_tokens_external == 0
+
+
+async def test_stream_without_client_usage_is_stripped_and_billed() -> None:
+    async with pd_fleet("sglang") as (_pre, _dec, app, client):
+        for _ in range(2):
+            resp = await client.post("/v1/chat/completions", json=_body(True))
+            assert resp.status_code == 200
+            text, usage = _sse_usage(resp.text)
+            assert text and usage is None  # the client did not ask for usage
+        assert _cached_metric(app) > 0  # but the gateway read (and rewrote) it
