@@ -8,7 +8,14 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from middleware.config import GatewayConfig, config_from_engines, load_config, with_billing
+from middleware.config import (
+    PD_CONNECTORS,
+    GatewayConfig,
+    config_from_engines,
+    config_from_pd,
+    load_config,
+    with_billing,
+)
 from middleware.errors import ConfigError
 from middleware.registry import command_registrars
 
@@ -36,9 +43,14 @@ def serve_config(config: GatewayConfig) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    if bool(args.config) == bool(args.engine):
-        raise ConfigError("kvgate serve: give either --config FILE or at least one --engine URL")
-    if args.config:
+    pd = bool(args.prefill or args.decode)
+    if sum((bool(args.config), bool(args.engine), pd)) != 1:
+        raise ConfigError("kvgate serve: give either --config FILE, at least one --engine URL, "
+                          "or --prefill URL ... --decode URL ...")
+    if pd:
+        config = config_from_pd(args.prefill or [], args.decode or [], args.pd_protocol,
+                                host=args.host, port=args.port)
+    elif args.config:
         config = load_config(args.config)
         server = config.server.model_copy(
             update={k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
@@ -55,6 +67,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--config", help="YAML config file (see docs/config.md)")
     p.add_argument("--engine", action="append", metavar="URL",
                    help="engine base URL (repeatable); uses the default plugin profile")
+    p.add_argument("--prefill", action="append", metavar="URL",
+                   help="prefill engine base URL (repeatable; with --decode: P/D quick start)")
+    p.add_argument("--decode", action="append", metavar="URL",
+                   help="decode engine base URL (repeatable)")
+    p.add_argument("--pd-protocol", choices=sorted(PD_CONNECTORS), default="nixl",
+                   help="KV transfer protocol of the P/D engines (default nixl: vLLM "
+                   "NixlConnector)")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8080)")
     p.add_argument("--prices", metavar="FILE",

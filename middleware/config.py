@@ -300,3 +300,16 @@ def pd_config_data(
                 for i, u in enumerate(decode)]
     return {"engines": engines, **pd_profile(),
             "disaggregation": {"connector": PD_CONNECTORS[protocol]}}
+
+
+def config_from_pd(
+    prefill: list[str], decode: list[str], protocol: str = "nixl", *, host: str | None = None,
+    port: int | None = None,
+) -> GatewayConfig:
+    """The quick start's P/D config: ``kvgate serve --prefill URL ... --decode URL ...``."""
+    if not prefill or not decode:
+        raise ConfigError("prefill/decode disaggregation needs at least one --prefill and one "
+                          "--decode engine")
+    server = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+    return parse_config({"server": server, **pd_config_data(prefill, decode, protocol)},
+                        "<command line>")
