@@ -206,8 +206,11 @@ class LitellmBackend:
                              "/v1/chat/completions", param="model")
         opts = step.options
         kwargs = {k: v for k, v in req.body.items() if k in PASSED}
+        # retries are ours (catalog ``retries``); ``_skip_mcp_handler``: LiteLLM 1.106 routes
+        # any request with ``tools`` through its MCP gateway, which needs the ``mcp`` package
+        # (its proxy extra) and is not used here -- the tools go to the provider as given.
         kwargs.update(model=step.target, timeout=float(opts.get("timeout_s") or 600),
-                      max_retries=0, num_retries=0)
+                      max_retries=0, num_retries=0, _skip_mcp_handler=True)
         if opts.get("api_base"):
             kwargs["api_base"] = opts["api_base"]
         env = opts.get("api_key_env")

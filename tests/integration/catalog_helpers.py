@@ -80,10 +80,9 @@ async def provider_stack(tmp: Path, monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("KVG_ANTHROPIC_KEY", "sk-test")
     fo, fa = FakeProvider(), FakeProvider()
     keys = write_keys(tmp)
-    if narrow_models is not None:
-        entries = yaml.safe_load(keys.path.read_text())
-        entries["keys"][2]["models"] = narrow_models
-        keys.path.write_text(yaml.safe_dump(entries))
+    entries = yaml.safe_load(keys.path.read_text())  # allow-lists name catalog models
+    entries["keys"][2]["models"] = narrow_models or ["sim"]
+    keys.path.write_text(yaml.safe_dump(entries))
     async with sim_fleet(1) as sims, serve(openai_app(fo)) as ou, serve(anthropic_app(fa)) as au:
         data = stack_config(sims[0].url, tmp, keys, catalog_models(ou, au))
         async with gateway(data) as (app, client):
