@@ -114,7 +114,7 @@ def map_error(exc: BaseException, step: BackendStep) -> HTTPError:
     return UpstreamError(f"provider error for {step.target}: {text}", retryable=retryable)
 
 
-def _retryable(err: HTTPError) -> bool:
+def is_retryable(err: HTTPError) -> bool:
     return isinstance(err, RateLimited) or (isinstance(err, UpstreamError) and err.retryable)
 
 
@@ -232,7 +232,7 @@ class LitellmBackend:
                 return await self._call(litellm, kwargs, req, step)
             except openai.APIError as exc:
                 err = map_error(exc, step)
-                if attempt == retries or not _retryable(err):
+                if attempt == retries or not is_retryable(err):
                     raise err from None
             await asyncio.sleep(backoff * 2**attempt)
         raise AssertionError("unreachable")  # pragma: no cover
