@@ -122,7 +122,11 @@ class HfBackend:
         )
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # ``encode_batch``, not ``encode``: tokenizers' ``encode`` holds the GIL for the whole
+        # call (a 10k-token prompt: ~20 ms during which the event loop cannot run, even with
+        # the call on a worker thread); ``encode_batch`` releases it. Same ids, ~8 % slower.
+        batch = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
+        ids: list[int] = batch[0].ids
         return ids
 
     def render_chat(

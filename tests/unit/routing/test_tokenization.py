@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from tokenizers import Tokenizer as HfTokenizer
 
 from engines.sim import tokenizer as sim_tokenizer
 from middleware.errors import ConfigError
@@ -313,3 +316,41 @@ def test_module_found_through_the_entry_point_group(monkeypatch: pytest.MonkeyPa
     backend = tokenization.load_backend(TokenizerSpec(kind="module", module="sim"))
     assert backend.encode("Hello world", True) == sim_tokenizer.tokenize("Hello world")
     assert "<|eot_id|>" in backend.boundaries
+
+
+async def _loop_ticks_while(work: Any) -> tuple[int, float]:
+    """(wake-ups of a ticker task, its longest gap in s) while ``work`` is awaited."""
+    ticks, longest, done = 0, 0.0, False
+
+    async def ticker() -> None:
+        nonlocal ticks, longest
+        last = time.perf_counter()
+        while not done:
+            await asyncio.sleep(0)
+            now = time.perf_counter()
+            ticks, longest, last = ticks + 1, max(longest, now - last), now
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    try:
+        await work
+    finally:
+        done = True
+        await task
+    return ticks, longest
+
+
+async def test_offloaded_hf_tokenization_leaves_the_event_loop_running(tmp_path: Path) -> None:
+    """Regression: ``tokenizers``' ``encode`` holds the GIL for the whole call, so a prompt
+    tokenized on the pool still froze the event loop; the backend uses ``encode_batch``, which
+    releases it (same ids)."""
+    backend = HfBackend(_build_hf(tmp_path / "gil", "byte-level"))
+    text = " ".join(CORPUS) * 100
+    t0 = time.perf_counter()
+    whole = backend.encode(text, False)
+    inline_s = time.perf_counter() - t0
+    assert whole == HfTokenizer.from_file(str(tmp_path / "gil" / "tokenizer.json")).encode(
+        text, add_special_tokens=False).ids
+    ticks, longest = await _loop_ticks_while(asyncio.to_thread(backend.encode, text, False))
+    assert inline_s > 0.02  # enough work to see the loop run beside it
+    assert ticks > 20 and longest < inline_s / 2, (ticks, longest, inline_s)
