@@ -45,6 +45,8 @@ class FakeProvider:
     report_cached: bool = True
     fail_next: int = 0
     fail_status: int = 429
+    #: Cut the next OpenAI stream after this many events (no ``[DONE]``); None: never.
+    drop_after: int | None = None
     requests: list[dict[str, Any]] = field(default_factory=list)
     seen_prefixes: set[str] = field(default_factory=set)
 
@@ -118,12 +120,18 @@ async def _openai_chat(request: Request) -> Response:
     if not body.get("stream"):
         return JSONResponse({**base, "object": "chat.completion", "usage": usage, "choices": [
             {"index": 0, "message": message, "finish_reason": finish}]})
-    return StreamingResponse(_openai_stream(body, base, message, finish, usage),
+    drop, fake.drop_after = fake.drop_after, None
+    return StreamingResponse(_openai_stream(body, base, message, finish, usage, drop),
                              media_type="text/event-stream")
 
 
+class StreamCut(Exception):
+    """Raised inside a response body: the server drops the connection mid-stream."""
+
+
 async def _openai_stream(body: dict[str, Any], base: dict[str, Any], message: dict[str, Any],
-                         finish: str, usage: dict[str, Any]) -> AsyncIterator[bytes]:
+                         finish: str, usage: dict[str, Any],
+                         drop: int | None = None) -> AsyncIterator[bytes]:
     chunk = {**base, "object": "chat.completion.chunk"}
     pieces: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
     if message.get("tool_calls"):
@@ -131,6 +139,8 @@ async def _openai_stream(body: dict[str, Any], base: dict[str, Any], message: di
     else:
         pieces += [{"content": w + " "} for w in str(message["content"]).split()]
     for i, delta in enumerate(pieces):
+        if drop is not None and i >= drop:
+            raise StreamCut("injected mid-stream failure")
         last = i == len(pieces) - 1
         yield _sse({**chunk, "choices": [{"index": 0, "delta": delta,
                                           "finish_reason": finish if last else None}]})

@@ -243,3 +243,17 @@ async def test_fallback_from_saturated_pool(tmp_path: Path, monkeypatch: pytest.
         assert (row.model, row.engine, row.outcome) == ("gpt-x", "litellm:openai/gpt-x", "done")
         assert row.cost_total == _cost("gpt-x", row.prompt_tokens, row.cached_tokens, 5)
         assert rows[ok.headers["x-request-id"]].model == "sim-model"
+
+
+async def test_provider_stream_broken_midway(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    async with provider_stack(tmp_path, monkeypatch) as s:
+        s.openai.drop_after = 2
+        resp = await _post(s, _chat("gpt-x", stream=True))
+        assert resp.status_code == 200
+        events = sse_events(resp.text)
+        assert "[DONE]" not in events
+        assert "provider stream broke" in events[-1]["error"]["message"]
+        row = (await ledger_rows(s.app))[resp.headers["x-request-id"]]
+        assert (row.outcome, row.engine) == ("upstream_error", "litellm:openai/gpt-x")
+        assert row.completion_tokens == 2  # the events relayed before the break
