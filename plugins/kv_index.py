@@ -382,16 +382,19 @@ class KvIndex:
 
     # -- records (speculative / approximate) -----------------------------------------------
     def record(
-        self, holder_key: HolderId, hashes: Sequence[int], expires: float, *, block_size: int
+        self, holder_key: HolderId, hashes: Sequence[int], expires: float, *, block_size: int,
+        group_idx: int = 0,
     ) -> None:
         """Note that ``holder`` should hold ``hashes`` (device tier) until ``expires``.
 
         Used for speculative entries (the request was just routed there) and for the
-        approximate mode. A block already known from an event keeps its event entry and is only
-        refreshed; an earlier record gets the later expiry.
+        approximate mode. ``hashes`` are of ``group_idx``'s chain in blocks of ``block_size``,
+        which becomes the holder's block size for that group until an event says otherwise.
+        A block already known from an event keeps its event entry and is only refreshed; an
+        earlier record gets the later expiry.
         """
         holder = self._holder(holder_key)
-        holder.block_sizes.setdefault(0, block_size)
+        holder.block_sizes.setdefault(group_idx, block_size)
         blocks = holder.blocks
         for h in reversed(hashes):
             hold = blocks.get(h)

@@ -194,7 +194,8 @@ class PrefixCacheProducer(Plugin, DataProducer, DispatchHook, EndpointSetListene
             )
             if size not in hashes:  # an engine that has not reported its block size yet
                 hashes.update(self.prompt_hashes(req, tokens, frozenset({size})))
-            self.index.record(ep.id, hashes[size], expires, block_size=size)
+            self.index.record(ep.id, hashes[size], expires, block_size=size,
+                              group_idx=self.p.group_idx)
 
 
 class PrefixCacheScorer(Plugin, Scorer):

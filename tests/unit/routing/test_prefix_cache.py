@@ -266,3 +266,18 @@ def test_scorer(case: str, prompt: int, device: dict[str, int], other: dict[str,
 def test_scorer_without_match_scores_nothing() -> None:
     scorer = PrefixCacheScorer("s", PrefixCacheScorer.Params(), NoLookup())
     assert scorer.score(request(), CycleState(), EPS) == {}
+
+
+async def test_speculation_in_another_group_leaves_group_0_block_size_alone() -> None:
+    """Regression: a speculative record for group 1 set the holder's group-0 block size."""
+    sub, clock = subscriber(["e0", "e1", "e2"]), Clock()
+    sub.handle_frames(frames("kv@e0", 0, [stored([1], None, blocks(61, 1, 32), 32,
+                                                 group_idx=1)]))  # e0's group 1 uses 32
+    producer = _precise(sub, clock, group_idx=1)
+    toks = blocks(8, 4, BS)
+    state, _ = await _prepare(producer, toks)
+    await _dispatch(producer, state, "e0")
+    assert sub.index.block_size("e0", 1) == 32
+    assert sub.index.block_size("e0", 0) == sub.index.default_block_size  # untouched
+    _, match = await _prepare(producer, toks)
+    assert dict(match.device) == {"e0": 64}
