@@ -103,6 +103,15 @@ class NoEndpointAvailable(HTTPError):
     code = "no_healthy_engine"
 
 
+class Overloaded(HTTPError):
+    """Every engine that could take the request is at capacity and it waited too long (send
+    ``Retry-After``)."""
+
+    status = 503
+    type = "server_error"
+    code = "overloaded"
+
+
 class UpstreamError(HTTPError):
     """The engine failed or answered with an error (502), or timed out (504)."""
 

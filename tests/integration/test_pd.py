@@ -7,6 +7,7 @@ behind httpx.ASGITransport.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -20,6 +21,7 @@ from engines.sim.faults import FaultSpec
 from engines.sim.testing import RunningSim, serve_sim
 from middleware.app import KvgateApp
 from middleware.config import pd_config_data
+from plugins.pd_admission import PdAdmission
 from tests.integration.conftest import FAST_POOL, gateway
 
 PROTOCOLS = ["nixl", "mooncake", "sglang"]
@@ -183,3 +185,41 @@ async def test_stream_without_client_usage_is_stripped_and_billed() -> None:
             text, usage = _sse_usage(resp.text)
             assert text and usage is None  # the client did not ask for usage
         assert _cached_metric(app) > 0  # but the gateway read (and rewrote) it
+
+
+@contextlib.asynccontextmanager
+async def _admission_fleet(**params: Any) -> AsyncIterator[tuple[KvgateApp, httpx.AsyncClient]]:
+    async with contextlib.AsyncExitStack() as stack:
+        pre = await stack.enter_async_context(serve_sim(SimConfig(
+            engine_id="p0", role="prefill", time_scale=1.0)))
+        dec = await stack.enter_async_context(serve_sim(SimConfig(
+            engine_id="d0", role="decode", time_scale=1.0)))
+        data = pd_config_data([pre.url], [dec.url], "nixl")
+        data["plugins"] += [{"type": "token-load-scorer"},
+                            {"type": "pd-admission", "params": params}]
+        data["pool"] = FAST_POOL
+        yield await stack.enter_async_context(gateway(data))
+
+
+async def test_admission_queues_when_both_pools_are_saturated() -> None:
+    params = {"max_prefill_tokens": 1, "max_decode_requests": 1, "poll_s": 0.01}
+    async with _admission_fleet(**params) as (app, client):
+        resps = await asyncio.gather(*(
+            client.post("/v1/chat/completions", json=_body(False)) for _ in range(4)))
+        assert [r.status_code for r in resps] == [200] * 4
+        adm = app.pipeline.plugins["pd-admission"]
+        assert isinstance(adm, PdAdmission)
+        assert adm.stats["waited"] >= 2 and adm.stats["admitted"] == 4
+
+
+async def test_admission_queue_bound_is_429_with_retry_after() -> None:
+    params = {"max_prefill_tokens": 1, "max_decode_requests": 1, "max_waiting": 1,
+              "retry_after_s": 2}
+    async with _admission_fleet(**params) as (_app, client):
+        resps = await asyncio.gather(*(
+            client.post("/v1/chat/completions", json=_body(False)) for _ in range(4)))
+        codes = sorted(r.status_code for r in resps)
+        assert codes.count(200) >= 2 and 429 in codes
+        limited = next(r for r in resps if r.status_code == 429)
+        assert limited.headers["retry-after"] == "2"
+        assert limited.json()["error"]["code"] == "rate_limited"
