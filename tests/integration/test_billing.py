@@ -17,6 +17,7 @@ import pytest
 from engines.sim.faults import FaultSpec
 from middleware.config import config_from_engines, parse_config, with_billing
 from middleware.errors import ConfigError
+from pricing.spool import SpoolError
 from tests.integration.billing_helpers import (
     Keys,
     billing_config,
@@ -294,3 +295,30 @@ def test_serve_flags_compose_billing(tmp_path: Path) -> None:
         with_billing(plain, ledger="sqlite:///tmp/l.db")
     filed = parse_config({**plain.model_dump(exclude={"source"}), "server": {"port": 1}}, "f")
     assert with_billing(filed, prices="p.yaml").server.port == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_unwritable_spool_fails_the_request(tmp_path: Path, stream: bool,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """No answer is completed that has no durable record (a full disk, injected)."""
+    keys = write_keys(tmp_path)
+    async with sim_fleet(1) as sims, \
+            serve_gateway(billing_config([sims[0].url], tmp_path, keys)) as (app, url):
+        ledger = billing_of(app).ledger
+        assert ledger is not None
+
+        def disk_full(lines: list[bytes]) -> None:
+            raise SpoolError("spool: No space left on device")
+
+        monkeypatch.setattr(ledger._spool, "append", disk_full)
+        async with aiohttp.ClientSession() as session, session.post(
+                url + "/v1/chat/completions", json=long_chat(stream=stream),
+                headers=keys.auth("admin")) as resp:
+            if stream:  # the headers went out before the usage came: the stream is cut
+                assert resp.status == 200
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await resp.read()
+            else:
+                assert resp.status == 500
+                assert (await resp.json())["error"]["code"] == "internal_error"
+        assert ledger.stats.accepted == 0
