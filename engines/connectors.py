@@ -188,3 +188,25 @@ class SglangConnector(_Base):
         prefill_answer: Mapping[str, Any] | None,
     ) -> dict[str, Any]:
         return {**body, **self._bootstrap(ctx)}
+
+
+class SharedStoreConnector(_Base):
+    """``shared-store`` (sequential): engines sharing a KV store (LMCache with a Mooncake Store
+    backend). The prefill hop is a one-token request, which computes the prompt's KV and
+    stores it (LMCache saves 256-token chunks); the decode hop is the client's request
+    unchanged, and the decode engine's LMCache finds the prefix in the store by its hash. No
+    transfer parameters exist; the decode engine counts store hits as cached, so the client's
+    cached tokens come from the prefill answer."""
+
+    name = "shared-store"
+
+    def prefill_body(
+        self, req: InferenceRequest, body: dict[str, Any], ctx: HopContext
+    ) -> dict[str, Any]:
+        return _one_token_prefill(req, body)
+
+    def decode_body(
+        self, req: InferenceRequest, body: dict[str, Any], ctx: HopContext,
+        prefill_answer: Mapping[str, Any] | None,
+    ) -> dict[str, Any]:
+        return body

@@ -1,0 +1,240 @@
+"""``kvgate deploy render``: launch commands and configs for a prefill/decode fleet, from one YAML.
+
+Input (see docs/disaggregation.md, "Deploying a fleet")::
+
+    model: meta-llama/Llama-3.1-8B-Instruct
+    protocol: nixl            # nixl | mooncake | lmcache-mooncake | sglang
+    gateway: {host: 0.0.0.0, port: 8080}
+    mooncake_master: {host: 10.0.0.1, rpc_port: 50051, metrics_port: 9003}  # lmcache-mooncake
+    engine_args: ["--max-model-len", "32768"]     # appended to every engine command
+    pools:
+      prefill: [{host: 10.0.0.2, port: 8100, gpus: "0"}]
+      decode:  [{host: 10.0.0.3, port: 8200, gpus: "0"}]
+
+Output files (a name -> text mapping; the command writes them into a directory):
+
+* ``<role>-<i>.sh`` per engine: environment and the engine command (vLLM with NixlConnector,
+  MooncakeConnector or LMCacheConnectorV1; SGLang with ``--disaggregation-mode``);
+* ``lmcache-<role>-<i>.yaml`` (lmcache-mooncake): LMCache with a Mooncake Store backend;
+* ``mooncake-master.sh`` (lmcache-mooncake): the Mooncake master;
+* ``kvgate.yaml``: the gateway config (engines with roles and bootstrap labels, the P/D
+  profile, the matching connector);
+* ``README.txt``: start order.
+
+Rendering is pure (:func:`render`); only the command writes files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from middleware.config import pd_profile
+from middleware.errors import ConfigError
+
+Protocol = Literal["nixl", "mooncake", "lmcache-mooncake", "sglang"]
+_STRICT = ConfigDict(extra="forbid", frozen=True)
+
+#: Gateway connector per protocol (``kvgate.connectors`` names).
+CONNECTOR: dict[str, str] = {"nixl": "vllm-nixl", "mooncake": "vllm-mooncake",
+                             "lmcache-mooncake": "shared-store", "sglang": "sglang"}
+
+
+class EngineSpec(BaseModel):
+    model_config = _STRICT
+    host: str = Field(min_length=1)
+    port: int = Field(ge=1, le=65535)
+    #: ``CUDA_VISIBLE_DEVICES`` of the engine (e.g. ``"0"`` or ``"0,1"``).
+    gpus: str = "0"
+    #: NIXL side channel / Mooncake or SGLang bootstrap port. Default: 5600 + i for NIXL,
+    #: 8998 + i otherwise (unique per engine on a host).
+    side_port: int | None = Field(None, ge=1, le=65535)
+    #: Extra arguments for this engine only.
+    args: tuple[str, ...] = ()
+
+
+class Pools(BaseModel):
+    model_config = _STRICT
+    prefill: tuple[EngineSpec, ...] = Field(min_length=1)
+    decode: tuple[EngineSpec, ...] = Field(min_length=1)
+
+
+class MasterSpec(BaseModel):
+    model_config = _STRICT
+    host: str = "127.0.0.1"
+    rpc_port: int = Field(50051, ge=1, le=65535)
+    metrics_port: int = Field(9003, ge=1, le=65535)
+
+
+class GatewaySpec(BaseModel):
+    model_config = _STRICT
+    host: str = "0.0.0.0"
+    port: int = Field(8080, ge=1, le=65535)
+
+
+class FleetSpec(BaseModel):
+    model_config = _STRICT
+    model: str = Field(min_length=1)
+    protocol: Protocol = "nixl"
+    pools: Pools
+    gateway: GatewaySpec = Field(default_factory=GatewaySpec)
+    mooncake_master: MasterSpec = Field(default_factory=MasterSpec)
+    engine_args: tuple[str, ...] = ()
+    #: LMCache chunk size in tokens (256: LMCache's default; keys hash 256-token chunks).
+    lmcache_chunk_size: int = Field(256, ge=16)
+    #: Mooncake transfer protocol: ``rdma`` on GPU fleets, ``tcp`` where there is no RDMA.
+    transfer_protocol: Literal["rdma", "tcp"] = "rdma"
+
+
+def _side_port(spec: EngineSpec, protocol: str, i: int) -> int:
+    if spec.side_port is not None:
+        return spec.side_port
+    return (5600 if protocol == "nixl" else 8998) + i
+
+
+def _vllm(fleet: FleetSpec, role: str, spec: EngineSpec, kv_config: dict[str, Any]) -> str:
+    args = ["vllm", "serve", fleet.model, "--host", "0.0.0.0", "--port", str(spec.port),
+            "--enable-prompt-tokens-details",
+            "--kv-transfer-config", json.dumps(kv_config, separators=(",", ":")),
+            *fleet.engine_args, *spec.args]
+    return shlex.join(args)
+
+
+def _env(pairs: list[tuple[str, str]]) -> str:
+    return "".join(f"export {k}={shlex.quote(v)}\n" for k, v in pairs)
+
+
+def _script(name: str, env: list[tuple[str, str]], command: str) -> str:
+    return (f"#!/bin/sh\n# kvgate deploy render: {name}\nset -e\ncd \"$(dirname \"$0\")\"\n"
+            f"{_env(env)}exec {command}\n")
+
+
+def _engine_files(fleet: FleetSpec, role: str, i: int, spec: EngineSpec) -> dict[str, str]:
+    name = f"{role}-{i}"
+    proto = fleet.protocol
+    side = _side_port(spec, proto, i)
+    env = [("CUDA_VISIBLE_DEVICES", spec.gpus)]
+    files: dict[str, str] = {}
+    kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+    if proto == "nixl":
+        env += [("VLLM_NIXL_SIDE_CHANNEL_HOST", spec.host),
+                ("VLLM_NIXL_SIDE_CHANNEL_PORT", str(side))]
+        cmd = _vllm(fleet, role, spec, {"kv_connector": "NixlConnector", "kv_role": kv_role})
+    elif proto == "mooncake":
+        env += [("VLLM_MOONCAKE_BOOTSTRAP_PORT", str(side))]
+        cmd = _vllm(fleet, role, spec, {"kv_connector": "MooncakeConnector", "kv_role": kv_role})
+    elif proto == "lmcache-mooncake":
+        env += [("LMCACHE_CONFIG_FILE", f"lmcache-{name}.yaml")]
+        files[f"lmcache-{name}.yaml"] = _lmcache_config(fleet, spec)
+        cmd = _vllm(fleet, role, spec, {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})
+    else:
+        cmd = shlex.join([
+            "python", "-m", "sglang.launch_server", "--model-path", fleet.model,
+            "--host", "0.0.0.0", "--port", str(spec.port), "--disaggregation-mode", role,
+            "--disaggregation-bootstrap-port", str(side),
+            "--disaggregation-transfer-backend", "mooncake", "--enable-cache-report",
+            *fleet.engine_args, *spec.args])
+    files[f"{name}.sh"] = _script(name, env, cmd)
+    return files
+
+
+def _lmcache_config(fleet: FleetSpec, spec: EngineSpec) -> str:
+    master = fleet.mooncake_master
+    data = {
+        "chunk_size": fleet.lmcache_chunk_size,
+        "local_cpu": False,
+        "remote_url": f"mooncakestore://{master.host}:{master.rpc_port}/",
+        "remote_serde": "naive",
+        "extra_config": {
+            "local_hostname": spec.host,
+            "metadata_server": "P2PHANDSHAKE",
+            "protocol": fleet.transfer_protocol,
+            "master_server_address": f"{master.host}:{master.rpc_port}",
+            "global_segment_size": 4 << 30,
+            "local_buffer_size": 1 << 30,
+        },
+    }
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def _master_script(fleet: FleetSpec) -> str:
+    m = fleet.mooncake_master
+    cmd = shlex.join(["mooncake_master", "-rpc_port", str(m.rpc_port), "-rpc_address", m.host,
+                      "-metrics_port", str(m.metrics_port)])
+    return _script("mooncake-master", [], cmd)
+
+
+def _gateway_config(fleet: FleetSpec) -> str:
+    engines: list[dict[str, Any]] = []
+    for role, specs in (("prefill", fleet.pools.prefill), ("decode", fleet.pools.decode)):
+        for i, spec in enumerate(specs):
+            eng: dict[str, Any] = {"name": f"{role}-{i}", "url": f"http://{spec.host}:{spec.port}",
+                                   "role": role}
+            if role == "prefill" and fleet.protocol in ("mooncake", "sglang"):
+                eng["labels"] = {"bootstrap_host": spec.host,
+                                 "bootstrap_port": str(_side_port(spec, fleet.protocol, i))}
+            engines.append(eng)
+    data = {"server": {"host": fleet.gateway.host, "port": fleet.gateway.port},
+            "engines": engines, **pd_profile(),
+            "disaggregation": {"connector": CONNECTOR[fleet.protocol]}}
+    return yaml.safe_dump(json.loads(json.dumps(data)), sort_keys=False)  # no YAML aliases
+
+
+def render(fleet: FleetSpec) -> dict[str, str]:
+    """Every output file, by name."""
+    files: dict[str, str] = {}
+    order: list[str] = []
+    if fleet.protocol == "lmcache-mooncake":
+        files["mooncake-master.sh"] = _master_script(fleet)
+        order.append("mooncake-master.sh (on the master host)")
+    for role, specs in (("prefill", fleet.pools.prefill), ("decode", fleet.pools.decode)):
+        for i, spec in enumerate(specs):
+            files.update(_engine_files(fleet, role, i, spec))
+            order.append(f"{role}-{i}.sh (on {spec.host})")
+    files["kvgate.yaml"] = _gateway_config(fleet)
+    order.append("kvgate serve --config kvgate.yaml")
+    files["README.txt"] = ("Start in this order:\n"
+                           + "".join(f"  {n}. {s}\n" for n, s in enumerate(order, 1)))
+    return files
+
+
+def load_fleet(path: str | Path) -> FleetSpec:
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{p}: cannot read: {exc}") from None
+    try:
+        return FleetSpec.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}"
+                             for e in exc.errors())
+        raise ConfigError(f"{p}: {problems}") from None
+
+
+def _cmd_render(args: argparse.Namespace) -> int:
+    files = render(load_fleet(args.fleet))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in sorted(files.items()):
+        target = out / name
+        target.write_text(text, encoding="utf-8")
+        if name.endswith(".sh"):
+            target.chmod(0o755)
+        print(target)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("deploy", help="prefill/decode fleet deployment helpers")
+    dsub = p.add_subparsers(dest="deploy_command", required=True)
+    r = dsub.add_parser("render", help="write engine launch scripts and configs from a fleet YAML")
+    r.add_argument("fleet", help="fleet YAML (docs/disaggregation.md)")
+    r.add_argument("--out", default="deploy-out", help="output directory (default deploy-out)")
+    r.set_defaults(func=_cmd_render)

@@ -1,0 +1,122 @@
+"""``kvgate deploy render``: rendered scripts and configs match expectations per protocol."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from engines.deploy import FleetSpec, render
+from middleware import cli
+from middleware.config import parse_config
+from middleware.pipeline import build_pipeline
+from middleware.registry import Registry
+
+
+def _fleet(protocol: str, **extra: Any) -> FleetSpec:
+    return FleetSpec.model_validate({
+        "model": "org/model-8b", "protocol": protocol,
+        "mooncake_master": {"host": "10.0.0.1"},
+        "engine_args": ["--max-model-len", "32768"],
+        "pools": {"prefill": [{"host": "10.0.0.2", "port": 8100, "gpus": "0"},
+                              {"host": "10.0.0.2", "port": 8101, "gpus": "1"}],
+                  "decode": [{"host": "10.0.0.3", "port": 8200, "gpus": "0,1"}]},
+        **extra})
+
+
+NIXL_PREFILL_0 = """#!/bin/sh
+# kvgate deploy render: prefill-0
+set -e
+cd "$(dirname "$0")"
+export CUDA_VISIBLE_DEVICES=0
+export VLLM_NIXL_SIDE_CHANNEL_HOST=10.0.0.2
+export VLLM_NIXL_SIDE_CHANNEL_PORT=5600
+exec vllm serve org/model-8b --host 0.0.0.0 --port 8100 --enable-prompt-tokens-details \
+--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_producer"}' \
+--max-model-len 32768
+"""
+
+SGLANG_DECODE_0 = """#!/bin/sh
+# kvgate deploy render: decode-0
+set -e
+cd "$(dirname "$0")"
+export CUDA_VISIBLE_DEVICES=0,1
+exec python -m sglang.launch_server --model-path org/model-8b --host 0.0.0.0 --port 8200 \
+--disaggregation-mode decode --disaggregation-bootstrap-port 8998 \
+--disaggregation-transfer-backend mooncake --enable-cache-report --max-model-len 32768
+"""
+
+
+def _one_line(script: str) -> str:
+    return script.replace(" \\\n", " ")
+
+
+def test_nixl_scripts_exact() -> None:
+    files = render(_fleet("nixl"))
+    assert files["prefill-0.sh"] == _one_line(NIXL_PREFILL_0)
+    assert "VLLM_NIXL_SIDE_CHANNEL_PORT=5601" in files["prefill-1.sh"]
+    assert '"kv_role":"kv_consumer"' in files["decode-0.sh"]
+    assert set(files) == {"prefill-0.sh", "prefill-1.sh", "decode-0.sh", "kvgate.yaml",
+                          "README.txt"}
+
+
+def test_sglang_scripts_exact() -> None:
+    files = render(_fleet("sglang"))
+    assert files["decode-0.sh"] == _one_line(SGLANG_DECODE_0)
+    assert "--disaggregation-mode prefill --disaggregation-bootstrap-port 8999" \
+        in files["prefill-1.sh"]
+
+
+def test_mooncake_scripts() -> None:
+    files = render(_fleet("mooncake"))
+    assert "export VLLM_MOONCAKE_BOOTSTRAP_PORT=8998\n" in files["prefill-0.sh"]
+    assert '{"kv_connector":"MooncakeConnector","kv_role":"kv_producer"}' in files["prefill-0.sh"]
+
+
+def test_lmcache_mooncake_store() -> None:
+    files = render(_fleet("lmcache-mooncake", transfer_protocol="tcp"))
+    assert files["mooncake-master.sh"].endswith(
+        "exec mooncake_master -rpc_port 50051 -rpc_address 10.0.0.1 -metrics_port 9003\n")
+    lm = yaml.safe_load(files["lmcache-decode-0.yaml"])
+    assert lm == {
+        "chunk_size": 256, "local_cpu": False, "remote_url": "mooncakestore://10.0.0.1:50051/",
+        "remote_serde": "naive",
+        "extra_config": {"local_hostname": "10.0.0.3", "metadata_server": "P2PHANDSHAKE",
+                         "protocol": "tcp", "master_server_address": "10.0.0.1:50051",
+                         "global_segment_size": 4 << 30, "local_buffer_size": 1 << 30}}
+    assert "export LMCACHE_CONFIG_FILE=lmcache-prefill-1.yaml\n" in files["prefill-1.sh"]
+    assert files["README.txt"].splitlines()[1] == "  1. mooncake-master.sh (on the master host)"
+
+
+@pytest.mark.parametrize(("protocol", "connector", "labels"), [
+    ("nixl", "vllm-nixl", None), ("mooncake", "vllm-mooncake", "8998"),
+    ("lmcache-mooncake", "shared-store", None), ("sglang", "sglang", "8998"),
+])
+def test_gateway_config_builds(protocol: str, connector: str, labels: str | None) -> None:
+    text = render(_fleet(protocol))["kvgate.yaml"]
+    assert "&id" not in text
+    config = parse_config(yaml.safe_load(text), "kvgate.yaml")
+    assert config.disaggregation is not None and config.disaggregation.connector == connector
+    assert [e.role.value for e in config.engines] == ["prefill", "prefill", "decode"]
+    prefill0 = config.engines[0]
+    assert prefill0.labels.get("bootstrap_port") == labels
+    build_pipeline(config, Registry.from_entry_points())
+
+
+def test_command_writes_files(tmp_path: Path) -> None:
+    spec = tmp_path / "fleet.yaml"
+    spec.write_text(yaml.safe_dump(_fleet("nixl").model_dump(mode="json")))
+    out = tmp_path / "out"
+    assert cli.main(["deploy", "render", str(spec), "--out", str(out)]) == 0
+    assert (out / "prefill-0.sh").read_text() == _one_line(NIXL_PREFILL_0)
+    assert (out / "prefill-0.sh").stat().st_mode & 0o111
+
+
+def test_command_rejects_bad_fleet(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = tmp_path / "fleet.yaml"
+    spec.write_text("model: m\nprotocol: carrier-pigeon\npools: {prefill: [], decode: []}\n")
+    assert cli.main(["deploy", "render", str(spec), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "protocol" in err and "pools.prefill" in err
