@@ -1,0 +1,106 @@
+"""The cache-aware default profile over real HTTP (uvicorn on loopback) in front of two simulated
+engines publishing KV events: whatever happens to a request — answered, an engine error (retried
+elsewhere, then relayed), a stream cut mid-way, the client giving up — the token-load scorer
+releases every charge it made and the pool's in-flight counters return to zero."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from engines.sim.demo import cache_aware_config, free_port, sim_config
+from engines.sim.testing import RunningSim, serve_sim
+from middleware.app import KvgateApp, create_app
+from plugins.token_load import EngineLoad, TokenLoadScorer
+
+CHAT = {"model": "sim-model", "max_tokens": 6, "ignore_eos": True,
+        "messages": [{"role": "user", "content": "tell me about rivers " * 40}]}
+
+
+@contextlib.asynccontextmanager
+async def _stack() -> AsyncIterator[tuple[list[RunningSim], KvgateApp, str]]:
+    events = f"tcp://127.0.0.1:{free_port()}"
+    async with contextlib.AsyncExitStack() as stack:
+        sims = [await stack.enter_async_context(serve_sim(sim_config(i, events, 0.0)))
+                for i in range(2)]
+        app = create_app(cache_aware_config([s.url for s in sims], events))
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
+        sock.setblocking(False)
+        server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning",
+                                               http="httptools"))
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.01)
+        try:
+            yield sims, app, f"http://127.0.0.1:{sock.getsockname()[1]}"
+        finally:
+            server.should_exit = True
+            await task
+
+
+async def _until(predicate: Callable[[], bool], limit_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + limit_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "not released in time"
+        await asyncio.sleep(0.02)
+
+
+async def _send(client: httpx.AsyncClient, stream: bool) -> int | str:
+    """Status code, or the name of the exception the client saw."""
+    body = {**CHAT, "stream": stream}
+    try:
+        if not stream:
+            return (await client.post("/v1/chat/completions", json=body)).status_code
+        async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            async for _ in resp.aiter_lines():
+                pass
+            return resp.status_code
+    except httpx.HTTPError as exc:
+        return type(exc).__name__
+
+
+#: (case, fault set on both engines, stream, client read timeout s, what the client sees,
+#: dispatches)
+OUTCOMES: list[tuple[str, dict[str, Any] | None, bool, float, int | str, int]] = [
+    ("answered", None, False, 30.0, 200, 1),
+    ("answered, streamed", None, True, 30.0, 200, 1),
+    ("engine 503, retried on the other, then 502", {"fail_next": 1}, False, 30.0, 502, 2),
+    ("engine 400, relayed", {"fail_next": 1, "status": 400}, False, 30.0, 400, 1),
+    ("stream cut mid-way", {"drop_after_chunks": 2}, True, 30.0, 200, 1),
+    ("client gives up waiting", {"delay_first_byte_s": 30.0}, False, 0.3, "ReadTimeout", 1),
+    ("client gives up a stream", {"delay_first_byte_s": 30.0}, True, 0.3, "ReadTimeout", 1),
+]
+
+
+@pytest.mark.parametrize(("case", "fault", "stream", "read_s", "seen", "dispatches"), OUTCOMES,
+                         ids=[c[0] for c in OUTCOMES])
+async def test_token_load_released_on_every_outcome(
+    case: str, fault: dict[str, Any] | None, stream: bool, read_s: float, seen: int | str,
+    dispatches: int,
+) -> None:
+    async with _stack() as (sims, app, url):
+        scorer = app.pipeline.plugins["token-load-scorer"]
+        assert isinstance(scorer, TokenLoadScorer)
+        async with httpx.AsyncClient(timeout=30.0) as admin:
+            for sim in sims if fault is not None else []:
+                assert (await admin.post(sim.url + "/sim/faults", json=fault)).is_success
+        # only reading the answer may time out (connecting on a loaded machine must not)
+        timeout = httpx.Timeout(30.0, read=read_s)
+        async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
+            assert await _send(client, stream) == seen
+        stats = scorer.tracker.stats
+        await _until(lambda: len(scorer.tracker) == 0 and stats.charged == dispatches)
+        await _until(lambda: all(ep.in_flight_requests == 0 for ep in app.pool.snapshot()))
+        assert stats.released == dispatches and stats.swept == stats.evicted == 0
+        assert all(scorer.tracker.load(ep.id) == EngineLoad() for ep in app.pool.snapshot())
