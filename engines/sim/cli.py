@@ -43,6 +43,8 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
                    help="event layout: tagged maps (newer vLLM) or positional arrays (older)")
     p.add_argument("--kv-events-topic", help="topic frame (default kv@<engine-id>@<model>)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (warning)")
+    p.add_argument("--role", choices=["both", "prefill", "decode"], default="both",
+                   help="prefill/decode role (both; see docs/disaggregation.md)")
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -64,6 +66,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         seed=args.seed,
         enable_prompt_tokens_details=not args.no_prompt_tokens_details,
         kv_events=kv_events,
+        role=args.role,
     )
 
 
@@ -102,7 +105,7 @@ def child_argv(args: argparse.Namespace, index: int) -> list[str]:
         argv += ["--model", name]
     for flag in ("block_size", "capacity_blocks", "max_model_len", "max_num_seqs",
                  "max_num_batched_tokens", "time_scale", "seed", "kv_events_encoding",
-                 "kv_events_topic", "log_level"):
+                 "kv_events_topic", "log_level", "role"):
         value = getattr(args, flag)
         if value is not None:
             argv += ["--" + flag.replace("_", "-"), str(value)]
