@@ -13,16 +13,18 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import httpx
 import pytest
 
+from engines.sim.app import sim_handles
 from engines.sim.config import PdSimConfig, SimConfig
 from engines.sim.faults import FaultSpec
 from engines.sim.testing import RunningSim, serve_sim
 from middleware.app import KvgateApp
 from middleware.config import pd_config_data
 from plugins.pd_admission import PdAdmission
-from tests.integration.conftest import FAST_POOL, gateway
+from tests.integration.conftest import FAST_POOL, gateway, serve_gateway
 
 PROTOCOLS = ["nixl", "mooncake", "sglang"]
 LONG = "Summarize the repository history and every open issue in detail. " * 60  # ~700 tokens
@@ -41,13 +43,18 @@ async def pd_fleet(
         dec = [await stack.enter_async_context(serve_sim(SimConfig(
             engine_id=f"d{i}", role="decode", time_scale=0.0, seed=7, pd=pd)))
             for i in range(decode)]
-        data = pd_config_data([s.url for s in pre], [s.url for s in dec], protocol)
-        for eng, sim in zip(data["engines"], [*pre, *dec], strict=True):
-            eng["labels"] = {"bootstrap_port": str(sim.port)}  # the sim's bootstrap is HTTP
-        data["pool"] = FAST_POOL
+        data = _pd_data(pre, dec, protocol)
         data.update(gw_extra)
         app, client = await stack.enter_async_context(gateway(data))
         yield pre, dec, app, client
+
+
+def _pd_data(pre: list[RunningSim], dec: list[RunningSim], protocol: str) -> dict[str, Any]:
+    data = pd_config_data([s.url for s in pre], [s.url for s in dec], protocol)
+    for eng, sim in zip(data["engines"], [*pre, *dec], strict=True):
+        eng["labels"] = {"bootstrap_port": str(sim.port)}  # the sim's bootstrap is HTTP
+    data["pool"] = FAST_POOL
+    return data
 
 
 def _body(stream: bool, content: str = LONG, **extra: Any) -> dict[str, Any]:
@@ -223,3 +230,33 @@ async def test_admission_queue_bound_is_429_with_retry_after() -> None:
         limited = next(r for r in resps if r.status_code == 429)
         assert limited.headers["retry-after"] == "2"
         assert limited.json()["error"]["code"] == "rate_limited"
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_client_disconnect_cancels_the_prefill(protocol: str) -> None:
+    """A client leaving during the prefill hop aborts it on the prefill engine (and, for the
+    concurrent protocols, the waiting decode), and releases every in-flight counter."""
+    slow = {"time_scale": 20.0, "seed": 7}  # an ~8k-token prefill takes seconds
+    async with serve_sim(SimConfig(engine_id="p0", role="prefill", **slow)) as pre, \
+            serve_sim(SimConfig(engine_id="d0", role="decode", **slow)) as dec, \
+            serve_gateway(_pd_data([pre], [dec], protocol)) as (app, url):
+        body = _body(True, content=LONG * 12)
+        async with aiohttp.ClientSession() as session:
+            pending = asyncio.create_task(session.post(url + "/v1/chat/completions", json=body))
+            await _until(lambda: pre.engine.num_running == 1)
+            pending.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await pending
+        await _until(lambda: pre.engine.num_running == 0 and pre.engine.num_waiting == 0)
+        assert pre.engine.scheduler.stats.finished["abort"] == 1
+        await _until(lambda: all(e.in_flight_requests == 0 for e in app.pool.snapshot()))
+        await _until(lambda: len(sim_handles(pre.app).board) == 0)
+        assert dec.engine.num_running == 0
+
+
+async def _until(predicate: Any, limit_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + limit_s
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.02)
