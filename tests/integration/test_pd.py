@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -24,6 +25,7 @@ from engines.sim.testing import RunningSim, serve_sim
 from middleware.app import KvgateApp
 from middleware.config import pd_config_data
 from plugins.pd_admission import PdAdmission
+from tests.integration.billing_helpers import PRICES_YAML, ledger_rows, write_keys
 from tests.integration.conftest import FAST_POOL, gateway, serve_gateway
 
 PROTOCOLS = ["nixl", "mooncake", "sglang"]
@@ -260,3 +262,38 @@ async def _until(predicate: Any, limit_s: float = 10.0) -> None:
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("protocol", ["nixl", "sglang"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_ledger_bills_the_prefill_hit(protocol: str, stream: bool, tmp_path: Path) -> None:
+    """The billing plugin (a usage hook) records the same cached tokens the client sees: the
+    prefill side's hit, not the KV the decode engine received."""
+    keys = write_keys(tmp_path)
+    prices = tmp_path / "prices.yaml"
+    prices.write_text(PRICES_YAML)
+    async with contextlib.AsyncExitStack() as stack:
+        pre = await stack.enter_async_context(serve_sim(SimConfig(
+            engine_id="p0", role="prefill", time_scale=0.0)))
+        dec = await stack.enter_async_context(serve_sim(SimConfig(
+            engine_id="d0", role="decode", time_scale=0.0)))
+        data = _pd_data([pre], [dec], protocol)
+        data["plugins"] = [
+            {"type": "api-keys", "params": {"file": str(keys.path)}},
+            {"type": "billing", "params": {"prices": str(prices),
+                                           "ledger": f"sqlite://{tmp_path}/ledger.sqlite",
+                                           "spool": str(tmp_path / "spool")}},
+            *data["plugins"]]
+        app, client = await stack.enter_async_context(gateway(data))
+        client.headers["authorization"] = f"Bearer {keys.user}"
+        seen: dict[str, int | None] = {}
+        for _ in range(2):
+            resp, _, usage = await _ask(client, stream)
+            assert resp.status_code == 200, resp.text
+            assert usage is not None
+            seen[resp.headers["x-request-id"]] = usage["prompt_tokens_details"]["cached_tokens"]
+        rows = await ledger_rows(app)
+        assert {rid: rows[rid].cached_tokens for rid in seen} == seen
+        cold, warm = seen.values()
+        assert cold == 0 and (warm or 0) > 256
+        assert dec.engine.scheduler.stats.prompt_tokens_external > 0
