@@ -265,7 +265,9 @@ class LitellmBackend:
         if not isinstance(usage, Mapping):
             return None
         details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+        details = details if isinstance(details, Mapping) else {}
+        cached, write = details.get("cached_tokens"), details.get("cache_creation_tokens")
         return Usage(prompt_tokens=int(usage["prompt_tokens"]),
                      completion_tokens=int(usage["completion_tokens"]),
-                     cached_tokens=cached if isinstance(cached, int) else None)
+                     cached_tokens=cached if isinstance(cached, int) else None,
+                     cache_write_tokens=write if isinstance(write, int) else 0)

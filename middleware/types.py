@@ -185,6 +185,10 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int | None = None
+    #: Prompt tokens written to a provider's prompt cache (Anthropic's
+    #: ``cache_creation_input_tokens``), part of ``prompt_tokens``, billed at the cache-write
+    #: rate; 0 for engines, which report none.
+    cache_write_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -180,7 +180,8 @@ class Billing(Plugin, RequestHook, UsageHook, CompletionHook, Lifecycle, RoutePr
         match = state.get(PREFIX_MATCH)
         if self.p.estimate_cached and match is not None:
             estimate = match.device.get(target.id, 0) + match.other.get(target.id, 0)
-        counts = TokenCounts(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+        counts = TokenCounts(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens,
+                             usage.cache_write_tokens)
         return cost(counts, price, self.book.discount(req.tenant), estimate)
 
     async def on_complete(self, req: InferenceRequest, state: CycleState, target: Endpoint,
@@ -289,7 +290,8 @@ def _record(req: InferenceRequest, state: CycleState, target: Endpoint, outcome:
         request_id=req.request_id, ts=_now(), tenant=req.tenant or "-",
         key_id=req.key_id or "-", model=req.model, engine=target.id,
         prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-        outcome=outcome.kind.value, status=_status(outcome), ttft_s=outcome.ttft_s,
+        cache_write_tokens=usage.cache_write_tokens, outcome=outcome.kind.value,
+        status=_status(outcome), ttft_s=outcome.ttft_s,
         total_s=outcome.total_s, session=None if session is None else str(session),
         priced=priced is not None and outcome.usage is not None, **money,
     )

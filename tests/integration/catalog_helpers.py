@@ -24,7 +24,8 @@ PRICES = """\
 models:
   sim-model: {input_per_mtok: "0.60", cached_input_per_mtok: "0.10", output_per_mtok: "3.00"}
   gpt-x: {input_per_mtok: "2.50", cached_input_per_mtok: "1.25", output_per_mtok: "10.00"}
-  claude-x: {input_per_mtok: "3.00", cached_input_per_mtok: "0.30", output_per_mtok: "15.00"}
+  claude-x: {input_per_mtok: "3.00", cached_input_per_mtok: "0.30", output_per_mtok: "15.00",
+             cache_write_per_mtok: "3.75"}
 """
 
 

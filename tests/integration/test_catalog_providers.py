@@ -6,6 +6,7 @@ the fallback from a saturated self-hosted pool to a provider."""
 
 from __future__ import annotations
 
+import asyncio
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -24,10 +25,12 @@ RATES = {"sim-model": ("0.60", "0.10", "3.00"), "gpt-x": ("2.50", "1.25", "10.00
 SYSTEM = "You answer questions about foxes. " * 12
 
 
-def _cost(model: str, prompt: int, cached: int | None, completion: int) -> Decimal:
+def _cost(model: str, prompt: int, cached: int | None, completion: int,
+          write: int = 0) -> Decimal:
     inp, cac, out = (Decimal(r) for r in RATES[model])
     hit = cached or 0
-    return ((prompt - hit) * inp + hit * cac + completion * out) / M
+    written = write * Decimal("3.75")  # claude-x's cache-write price
+    return ((prompt - hit - write) * inp + hit * cac + written + completion * out) / M
 
 
 def _chat(model: str, *, stream: bool = False, usage: bool | None = None,
@@ -156,8 +159,9 @@ async def test_anthropic_cache_reads(tmp_path: Path, monkeypatch: pytest.MonkeyP
         rows = await ledger_rows(s.app)
         prefix, prompt = len(SYSTEM.split()), len(SYSTEM.split()) + 4
         r1, r2 = rows[first.headers["x-request-id"]], rows[second.headers["x-request-id"]]
-        assert (r1.prompt_tokens, r1.cached_tokens) == (prompt, 0)  # written, not read
-        assert (r2.prompt_tokens, r2.cached_tokens) == (prompt, prefix)  # cache read
+        assert (r1.prompt_tokens, r1.cached_tokens, r1.cache_write_tokens) == (prompt, 0, prefix)
+        assert r1.cost_total == _cost("claude-x", prompt, 0, 5, write=prefix)  # cache write
+        assert (r2.prompt_tokens, r2.cached_tokens, r2.cache_write_tokens) == (prompt, prefix, 0)
         assert r2.cost_total == _cost("claude-x", prompt, prefix, 5)
         assert r2.engine == "litellm:anthropic/claude-x"
 
@@ -257,3 +261,24 @@ async def test_provider_stream_broken_midway(tmp_path: Path,
         row = (await ledger_rows(s.app))[resp.headers["x-request-id"]]
         assert (row.outcome, row.engine) == ("upstream_error", "litellm:openai/gpt-x")
         assert row.completion_tokens == 2  # the events relayed before the break
+
+
+async def test_fallback_when_pool_is_down(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with provider_stack(tmp_path, monkeypatch) as s:
+        s.sim.faults.health = False  # the probe takes the only engine out of rotation
+        for _ in range(100):
+            if not any(ep.healthy for ep in s.app.pool.snapshot()):
+                break
+            await asyncio.sleep(0.02)
+        resp = await _post(s, _chat("sim"))
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-kvgate-engine"] == "litellm:openai/gpt-x"
+
+
+async def test_no_fallback_on_client_errors(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    async with provider_stack(tmp_path, monkeypatch) as s:
+        s.sim.faults.fail_next, s.sim.faults.status = 1, 400  # the engine refuses the request
+        resp = await _post(s, _chat("sim"))
+        assert resp.status_code == 400
+        assert s.openai.requests == []  # 400 is not in fallback_on: the provider is not tried

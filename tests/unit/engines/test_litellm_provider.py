@@ -59,6 +59,7 @@ def test_normalise_usage(case: str, provider: str, raw: dict[str, Any],
     write = raw.get("cache_creation_input_tokens")
     details = out.get("prompt_tokens_details") or {}
     assert details.get("cache_creation_tokens") == (write or None)
+    assert usage.cache_write_tokens == (write or 0)
 
 
 @pytest.fixture(scope="module")
