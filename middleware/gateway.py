@@ -305,15 +305,33 @@ class Gateway:
         ttft = None if progress.first_byte_at is None else progress.first_byte_at - req.received_at
         if ttft is not None:
             self.metrics.ttft.labels(req.api.value, str(req.stream).lower()).observe(ttft)
-        await self._report_usage(req, state, target, progress)
-        usage = progress.usage
+        errors: list[Exception] = []
+        try:
+            await self._report_usage(req, state, target, progress)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the completion hooks
+            errors.append(exc)
         outcome = Outcome(
-            kind=kind, status=progress.status, usage=usage, ttft_s=ttft,
+            kind=kind, status=progress.status, usage=progress.usage, ttft_s=ttft,
             total_s=now - req.received_at, error=error, will_retry=will_retry,
             chunks_relayed=progress.events,
         )
+        await self._completion_hooks(req, state, target, outcome, errors)
+        if errors:
+            raise errors[0]
+
+    async def _completion_hooks(
+        self, req: InferenceRequest, state: CycleState, target: Endpoint, outcome: Outcome,
+        errors: list[Exception],
+    ) -> None:
+        """Every completion hook runs, even when another raised: hooks release what the request
+        held (token load, admission slots), and one failing must not leak the others'."""
         for chook in self.pipeline.completion_hooks:
-            await chook.on_complete(req, state, target, outcome)
+            try:
+                await chook.on_complete(req, state, target, outcome)
+            except Exception as exc:  # the first is re-raised by the caller
+                if errors:
+                    log.exception("request %s: completion hook failed too", req.request_id)
+                errors.append(exc)
 
     def _count_tokens(self, model: str, prompt: int, completion: int, cached: int | None) -> None:
         tokens = self.metrics.tokens

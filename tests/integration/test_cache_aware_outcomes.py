@@ -18,19 +18,46 @@ import uvicorn
 from engines.sim.demo import cache_aware_config, free_port, sim_config
 from engines.sim.testing import RunningSim, serve_sim
 from middleware.app import KvgateApp, create_app
+from middleware.config import PluginConfig
+from middleware.plugin import Plugin, UsageHook
+from middleware.registry import Registry
+from middleware.types import CycleState, Endpoint, InferenceRequest, Usage
 from plugins.token_load import EngineLoad, TokenLoadScorer
 
 CHAT = {"model": "sim-model", "max_tokens": 6, "ignore_eos": True,
         "messages": [{"role": "user", "content": "tell me about rivers " * 40}]}
 
 
+class FailingUsage(Plugin, UsageHook):
+    """A usage hook that raises (like a billing ledger that cannot write)."""
+
+    type_name = "failing-usage-hook"
+
+    async def on_usage(self, req: InferenceRequest, state: CycleState, target: Endpoint,
+                       usage: Usage) -> None:
+        raise ValueError("usage hook failed")
+
+
+def _app(urls: list[str], events: str, failing_usage_hook: bool) -> KvgateApp:
+    config = cache_aware_config(urls, events)
+    if not failing_usage_hook:
+        return create_app(config)
+    hook = PluginConfig.model_validate({"type": FailingUsage.type_name})
+    config = config.model_copy(update={"plugins": (hook, *config.plugins)})
+    base = Registry.from_entry_points()
+    plugins: dict[str, type[Plugin]] = {**base.plugins, FailingUsage.type_name: FailingUsage}
+    return create_app(config, Registry(plugins, base.engines, base.connectors))
+
+
 @contextlib.asynccontextmanager
-async def _stack() -> AsyncIterator[tuple[list[RunningSim], KvgateApp, str]]:
+async def _stack(
+    failing_usage_hook: bool = False,
+) -> AsyncIterator[tuple[list[RunningSim], KvgateApp, str]]:
     events = f"tcp://127.0.0.1:{free_port()}"
     async with contextlib.AsyncExitStack() as stack:
         sims = [await stack.enter_async_context(serve_sim(sim_config(i, events, 0.0)))
                 for i in range(2)]
-        app = create_app(cache_aware_config([s.url for s in sims], events))
+        app = _app([s.url for s in sims], events, failing_usage_hook)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         sock.listen(64)
@@ -104,3 +131,19 @@ async def test_token_load_released_on_every_outcome(
         await _until(lambda: all(ep.in_flight_requests == 0 for ep in app.pool.snapshot()))
         assert stats.released == dispatches and stats.swept == stats.evicted == 0
         assert all(scorer.tracker.load(ep.id) == EngineLoad() for ep in app.pool.snapshot())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_failing_usage_hook_does_not_leak_token_load(stream: bool) -> None:
+    """A usage hook that raises (JSON: before the answer is sent; a stream: when its usage
+    chunk passes) fails the request, and the completion hooks still release its token load.
+    (A completion hook that raises: tests/unit/routing_load/test_gateway_flow.py.)"""
+    async with _stack(failing_usage_hook=True) as (_, app, url):
+        async with httpx.AsyncClient(base_url=url, timeout=30.0) as client:
+            seen = await _send(client, stream)
+        # JSON: the error is answered; a stream has started, so it is cut short
+        assert seen == (500 if not stream else "RemoteProtocolError")
+        scorer = app.pipeline.plugins["token-load-scorer"]
+        assert isinstance(scorer, TokenLoadScorer)
+        await _until(lambda: scorer.tracker.stats.released == 1)
+        assert scorer.tracker.stats.charged == 1 and len(scorer.tracker) == 0

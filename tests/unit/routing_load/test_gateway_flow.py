@@ -8,13 +8,17 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import pytest
+from pydantic import BaseModel, ConfigDict
 
 from engines.sim.config import SimConfig
 from engines.sim.testing import serve_sim
 from engines.vllm import VllmAdapter
 from middleware.app import KvgateApp, create_app
 from middleware.config import parse_config
+from middleware.plugin import CompletionHook, Plugin, PluginLookup, UsageHook
 from middleware.registry import Registry
+from middleware.types import CycleState, Endpoint, InferenceRequest, Outcome, Usage
 from plugins.session_affinity import SessionAffinityScorer
 from plugins.token_load import TokenImbalanceFilter, TokenLoadScorer
 from tests.unit.middleware.fakes import Best
@@ -22,11 +26,37 @@ from tests.unit.middleware.fakes import Best
 SES = "ses_f84c6ba38ffe6UeTRaX25G3KTr"
 
 
-def _config(urls: list[str]) -> dict[str, Any]:
+class Failing(Plugin, UsageHook, CompletionHook):
+    """A usage/completion hook that raises in the step named by ``fail_in``."""
+
+    type_name = "failing-hook"
+
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        fail_in: str = "none"
+
+    def __init__(self, name: str, params: BaseModel, plugins: PluginLookup) -> None:
+        super().__init__(name, params, plugins)
+        assert isinstance(params, Failing.Params)
+        self.fail_in = params.fail_in
+
+    async def on_usage(self, req: InferenceRequest, state: CycleState, target: Endpoint,
+                       usage: Usage) -> None:
+        if self.fail_in == "usage":
+            raise ValueError("usage hook failed")
+
+    async def on_complete(self, req: InferenceRequest, state: CycleState, target: Endpoint,
+                          outcome: Outcome) -> None:
+        if self.fail_in == "complete":
+            raise ValueError("completion hook failed")
+
+
+def _config(urls: list[str], fail_in: str = "none") -> dict[str, Any]:
     return {
         "engines": [{"name": f"e{i}", "url": url, "models": ["sim-model"]}
                     for i, url in enumerate(urls)],
         "plugins": [
+            {"type": "failing-hook", "params": {"fail_in": fail_in}},  # runs first
             {"type": "session-affinity-scorer"},
             {"type": "token-load-scorer"},
             {"type": "token-imbalance-filter"},
@@ -42,15 +72,15 @@ def _config(urls: list[str]) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def _gateway() -> AsyncIterator[tuple[KvgateApp, httpx.AsyncClient]]:
+async def _gateway(fail_in: str = "none") -> AsyncIterator[tuple[KvgateApp, httpx.AsyncClient]]:
     sim = SimConfig(time_scale=0)
     async with serve_sim(sim) as a, serve_sim(sim) as b:
         registry = Registry(
-            plugins={c.type_name: c for c in
-                     (SessionAffinityScorer, TokenLoadScorer, TokenImbalanceFilter, Best)},
+            plugins={c.type_name: c for c in (SessionAffinityScorer, TokenLoadScorer,
+                                              TokenImbalanceFilter, Best, Failing)},
             engines={"vllm": VllmAdapter},
         )
-        app = create_app(parse_config(_config([a.url, b.url]), "test"), registry)
+        app = create_app(parse_config(_config([a.url, b.url], fail_in), "test"), registry)
         transport = httpx.ASGITransport(app=app)
         async with app.running(), httpx.AsyncClient(
             transport=transport, base_url="http://gw"
@@ -94,3 +124,18 @@ async def test_no_session_header_no_echo() -> None:
         resp = await client.post("/v1/chat/completions", json=_body(0))
         assert resp.status_code == 200
         assert "x-session-affinity" not in resp.headers
+
+
+@pytest.mark.parametrize(("fail_in", "stream"), [("complete", False), ("complete", True)])
+async def test_a_failing_hook_does_not_leak_token_load(fail_in: str, stream: bool) -> None:
+    """Regression: a completion hook that raised (e.g. billing's ledger) skipped the completion
+    hooks after it, so the token-load charge stayed until swept 15 minutes later. (A usage hook
+    failing at the end of a stream: tests/integration/test_cache_aware_outcomes.py, over real
+    HTTP, since the response cannot be completed then.)"""
+    async with _gateway(fail_in) as (app, client):
+        with contextlib.suppress(httpx.HTTPError):
+            await client.post("/v1/chat/completions", json=_body(0, stream=stream))
+        scorer = app.pipeline.plugins["token-load-scorer"]
+        assert isinstance(scorer, TokenLoadScorer)
+        assert scorer.tracker.stats.charged == scorer.tracker.stats.released == 1
+        assert len(scorer.tracker) == 0
