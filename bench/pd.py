@@ -196,11 +196,13 @@ def gateway_config(system: str, urls: Sequence[str], roles: Sequence[str],
     if system.startswith("agg"):
         data["profiles"] = [{"name": "default", "plugins": _profile(picker, scorer, None)}]
         return data
+    # one picker instance per profile: a round-robin picker's position is per instance
     plugins += [{"type": "role-filter", "name": "decode-role", "params": {"role": "decode"}},
                 {"type": "role-filter", "name": "prefill-role", "params": {"role": "prefill"}},
-                {"type": "pd-profile-handler"}]
-    data["profiles"] = [{"name": "decode", "plugins": _profile(picker, scorer, "decode")},
-                        {"name": "prefill", "plugins": _profile(picker, scorer, "prefill")}]
+                {"type": picker, "name": "prefill-picker"}, {"type": "pd-profile-handler"}]
+    data["profiles"] = [
+        {"name": "decode", "plugins": _profile(picker, scorer, "decode")},
+        {"name": "prefill", "plugins": _profile("prefill-picker", scorer, "prefill")}]
     data["profile_handler"] = "pd-profile-handler"
     data["disaggregation"] = {"connector": "vllm-nixl"}
     return data
