@@ -124,6 +124,9 @@ def test_multi_turn_session_is_billed_with_reported_cached_tokens(
     finally:
         backend.close()
     assert sorted(rows) == [f"turn-{i}" for i in range(len(TURNS))]
+    for rid, r in sorted(rows.items()):
+        print(f"{rid}: engine {r.engine}, prompt {r.prompt_tokens}, cached {r.cached_tokens}, "
+              f"completion {r.completion_tokens}, cost {r.cost_total}")
     _check_rows(rows, headers)
     _check_usage_api(page, rows)
     for fmt in ("csv", "jsonl"):
