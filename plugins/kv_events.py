@@ -323,6 +323,11 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
         default_block_size: int = Field(16, ge=1)
         #: Messages queued in the socket before ZMQ drops (then the sequence check resets).
         receive_hwm: int = Field(100_000, ge=1)
+        #: Packed token ids (4 bytes each) of recently routed prompts kept to re-key events
+        #: whose parent the index lost (after a gateway restart or a reset; see
+        #: plugins/kv_recent.py). 16 MiB = 4M tokens: the last few hundred long prompts, which
+        #: covers the engines' first events after any reset. 0 disables it.
+        recent_prompt_bytes: int = Field(16 << 20, ge=0)
 
     example_params: ClassVar[Mapping[str, object]] = {"bind": "tcp://127.0.0.1:5557"}
 
@@ -330,7 +335,8 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
         super().__init__(name, params, plugins)
         assert isinstance(params, KvEventsSubscriber.Params)
         self.p = params
-        self.index = KvIndex(params.capacity_blocks, default_block_size=params.default_block_size)
+        self.index = KvIndex(params.capacity_blocks, default_block_size=params.default_block_size,
+                             recent_prompt_bytes=params.recent_prompt_bytes)
         self.stats = KvEventsStats()
         self._engines: dict[str, str] = {}  # engine id -> address to connect ("" : none)
         self._seq: dict[tuple[str, int], int] = {}

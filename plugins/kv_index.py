@@ -15,7 +15,9 @@ Holders
     A *holder* is one KV cache: an engine id, or ``"<engine>#dp<r>"`` for data-parallel rank
     ``r > 0`` (each rank has its own cache). Per holder the index keeps an LRU-ordered map own-hash
     -> :class:`Hold` (tiers held as a bit set, the engine's hash for removals, an expiry time) and
-    a map (group, engine-hash) -> own-hash to resolve removals and parent links.
+    a map (group, engine-hash) -> own-hash to resolve removals and parent links. A stored
+    block whose parent is unknown is re-keyed from a recently routed prompt when one matches
+    (:mod:`plugins.kv_recent`, :meth:`KvIndex.remember`), else skipped as an orphan.
 
 Bounds and eviction
     ``capacity_blocks`` bounds the total number of (holder, block) pairs. When it is exceeded the
@@ -41,6 +43,8 @@ from hashlib import blake2b
 from typing import Any
 
 import msgpack
+
+from plugins.kv_recent import PackingError, RecentPrompts, pack_tokens
 
 #: Tier bits of a hold.
 DEVICE = 1
@@ -158,6 +162,7 @@ class IndexStats:
     stored_blocks: int = 0
     removed_blocks: int = 0
     orphan_blocks: int = 0  # stored blocks whose parent the index does not know
+    resolved_orphans: int = 0  # events whose unknown parent a recent prompt supplied
     unknown_removals: int = 0
     evicted_blocks: int = 0
     expired_blocks: int = 0
@@ -171,6 +176,8 @@ class KvIndex:
         capacity_blocks: most (holder, block) pairs kept, all holders together.
         holder_capacity_blocks: most blocks kept per holder (None: only the global bound).
         default_block_size: tokens per block assumed for a holder that has reported none yet.
+        recent_prompt_bytes: bound of the recently routed prompts kept to re-key events whose
+            parent is unknown (:mod:`plugins.kv_recent`; 0: none kept, such events are skipped).
     """
 
     def __init__(
@@ -178,6 +185,7 @@ class KvIndex:
         capacity_blocks: int,
         holder_capacity_blocks: int | None = None,
         default_block_size: int = 16,
+        recent_prompt_bytes: int = 0,
     ) -> None:
         if capacity_blocks <= 0 or default_block_size <= 0:
             raise ValueError("capacity and block size must be positive")
@@ -187,6 +195,7 @@ class KvIndex:
         self.stats = IndexStats()
         self._holders: dict[HolderId, _Holder] = {}
         self._size = 0
+        self.recent = RecentPrompts(recent_prompt_bytes) if recent_prompt_bytes else None
 
     # -- reading ------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -298,24 +307,34 @@ class KvIndex:
     ) -> int:
         """Apply a ``BlockStored``: consecutive blocks of one chain after ``parent``.
 
-        Returns how many blocks were indexed: 0 when the parent is unknown (the chain cannot be
-        re-keyed; counted as orphans). Raises :class:`HashingError` for bad token ids.
+        Returns how many blocks were indexed: 0 when the parent is unknown and no recent prompt
+        supplies it (the chain cannot be re-keyed; counted as orphans). Raises
+        :class:`HashingError` for bad token ids.
         """
         holder = self._holder(holder_key)
+        holder.block_sizes[group_idx] = block_size  # learnt even from an orphan
         parent_own: int | None = None
+        ancestors: Sequence[int] = ()
         if parent is not None:
             parent_own = holder.by_ehash.get((group_idx, parent))
+            if parent_own is None:
+                ancestors = self._resolve(holder_key, token_ids, block_size, group_idx,
+                                          extra_keys)
+                parent_own = ancestors[-1] if ancestors else None
             if parent_own is None:
                 self.stats.orphan_blocks += len(engine_hashes)
                 return 0
         own = chain_hashes(
             token_ids, block_size, parent=parent_own, group_idx=group_idx, extra_keys=extra_keys
         )
-        holder.block_sizes[group_idx] = block_size
         tier = tier_of(medium)
         pairs = list(zip(engine_hashes, own, strict=False))
         for ehash, h in reversed(pairs):  # tail first: the root ends up most recent
             self._put_event_hold(holder, (group_idx, ehash), h, tier)
+        if ancestors and parent is not None:  # after the blocks: the root stays most recent
+            self._put_event_hold(holder, (group_idx, parent), ancestors[-1], DEVICE)
+            for h in reversed(ancestors[:-1]):
+                self._put_held(holder, h)
         self.stats.stored_blocks += len(pairs)
         self._enforce(holder)
         return len(pairs)
@@ -377,8 +396,58 @@ class KvIndex:
         return len(holder.blocks)
 
     def reset_engine(self, engine: str) -> int:
-        """Reset every holder (all data-parallel ranks) of an engine."""
+        """Reset every holder (all data-parallel ranks) of an engine (it left the pool)."""
+        if self.recent is not None:
+            for hid in self.holders():
+                if engine_of(hid) == engine:
+                    self.recent.forget(hid)
         return sum(self.reset(hid) for hid in self.holders() if engine_of(hid) == engine)
+
+    # -- orphans ----------------------------------------------------------------------------
+    def remember(self, holder_key: HolderId, token_ids: Sequence[int], hashes: Sequence[int],
+                 *, block_size: int, group_idx: int = 0) -> None:
+        """Keep a prompt just routed to ``holder`` (its ids and own hashes in ``block_size``
+        blocks) to re-key later events whose parent is unknown (no-op without
+        ``recent_prompt_bytes``)."""
+        if self.recent is None:
+            return
+        try:
+            data = pack_tokens(token_ids[: len(hashes) * block_size])
+        except PackingError:
+            return
+        self.recent.add(holder_key, group_idx, block_size, data, hashes)
+
+    def _resolve(self, holder_key: HolderId, token_ids: Sequence[int], block_size: int,
+                 group_idx: int, extra_keys: Sequence[ExtraKeys] | None) -> Sequence[int]:
+        """Own hashes of the blocks before an event whose parent is unknown, from a recent
+        prompt whose block ``i`` is the event's first block (checked by its own hash, so extra
+        keys agree too): its blocks ``0..i-1``, which the engine reused (the event extends
+        them). :meth:`store` indexes them as held and links the parent to block ``i-1``."""
+        if self.recent is None or len(token_ids) < block_size:
+            return ()
+        try:
+            first = pack_tokens(token_ids[:block_size])
+        except PackingError:
+            return ()
+        extra = list(extra_keys[:1]) if extra_keys else None
+        for hashes, i in self.recent.candidates(holder_key, group_idx, first):
+            if i > 0 and chain_hashes(token_ids[:block_size], block_size, parent=hashes[i - 1],
+                                      group_idx=group_idx, extra_keys=extra)[0] == hashes[i]:
+                self.stats.resolved_orphans += 1
+                return hashes[:i]
+        return ()
+
+    def _put_held(self, holder: _Holder, h: int) -> None:
+        """Index ``h`` as held on the device with no known engine hash (an ancestor the engine
+        reused); an earlier record becomes permanent."""
+        hold = holder.blocks.get(h)
+        if hold is None:
+            holder.blocks[h] = Hold(DEVICE, _NEVER, None)
+            self._size += 1
+            return
+        if hold.expires != _NEVER:
+            hold.tiers, hold.expires = DEVICE, _NEVER
+        holder.blocks.move_to_end(h)
 
     # -- records (speculative / approximate) -----------------------------------------------
     def record(

@@ -182,7 +182,7 @@ class PrefixCacheProducer(Plugin, DataProducer, DispatchHook, EndpointSetListene
         hashes = state.get(_HASHES)
         tokens = state.get(TOKEN_IDS)
         ttl = self.p.speculative_ttl_s if self.precise else self.p.record_ttl_s
-        if hashes is None or tokens is None or ttl <= 0:
+        if hashes is None or tokens is None:
             return
         expires = self.clock() + ttl
         targets = [decision.target] if decision.prefill is None else [
@@ -194,8 +194,12 @@ class PrefixCacheProducer(Plugin, DataProducer, DispatchHook, EndpointSetListene
             )
             if size not in hashes:  # an engine that has not reported its block size yet
                 hashes.update(self.prompt_hashes(req, tokens, frozenset({size})))
-            self.index.record(ep.id, hashes[size], expires, block_size=size,
-                              group_idx=self.p.group_idx)
+            if ttl > 0:
+                self.index.record(ep.id, hashes[size], expires, block_size=size,
+                                  group_idx=self.p.group_idx)
+            if self.precise:  # lets the index re-key events whose parent it lost
+                self.index.remember(ep.id, tokens, hashes[size], block_size=size,
+                                    group_idx=self.p.group_idx)
 
 
 class PrefixCacheScorer(Plugin, Scorer):
