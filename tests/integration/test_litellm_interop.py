@@ -11,12 +11,17 @@ import contextlib
 import datetime as dt
 import importlib.util
 import json
-from collections.abc import AsyncIterator
+import os
+import secrets
+import socket
+from asyncio.subprocess import Process
+from collections.abc import AsyncIterator, Iterator
 from decimal import Decimal
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
@@ -56,6 +61,16 @@ async def _kvgate(tmp: Path) -> AsyncIterator[tuple[KvgateApp, str, str]]:
         data["profiles"][0]["plugins"].insert(2, {"ref": "session-affinity-scorer", "weight": 2})
         async with serve_gateway(data) as (app, url):
             yield app, url, key
+
+
+@pytest.fixture(autouse=True)
+def _restore_litellm_prices() -> Iterator[None]:
+    """Registrations go into LiteLLM's process-wide price map: put it back afterwards."""
+    litellm = _load_example("litellm_sdk.py").litellm_module()
+    saved = dict(litellm.model_cost)
+    yield
+    litellm.model_cost.clear()
+    litellm.model_cost.update(saved)
 
 
 def _exported_map(tmp: Path) -> Path:
@@ -122,5 +137,76 @@ async def test_proxy_config_example_with_litellm_router(tmp_path: Path,
             response = await router.acompletion(
                 model="sim-model", messages=messages, max_tokens=5,
                 extra_headers={"x-session-affinity": "ses_router_1"})
-            calls.append((response, litellm.completion_cost(completion_response=response)))
+            # the cost the Router (and so the proxy) computed from the deployment's model_info
+            calls.append((response, response._hidden_params["response_cost"]))
         await _check_costs(app, calls, "ses_router_1")
+
+
+PROXY_VENV = Path.home() / ".cache" / "kvgate" / "litellm-proxy-venv"
+#: The proxy takes ~90 s to boot on a 2-core machine (it imports all of LiteLLM's proxy app).
+PROXY_BOOT_S = 240.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def _wait_ready(client: httpx.AsyncClient, url: str, proc: Process) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + PROXY_BOOT_S
+    while loop.time() < deadline:
+        if proc.returncode is not None:
+            raise AssertionError(f"the LiteLLM proxy exited with {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if (await client.get(f"{url}/health/liveliness")).status_code == 200:
+                return
+        await asyncio.sleep(1)
+    raise AssertionError(f"the LiteLLM proxy did not start within {PROXY_BOOT_S} s")
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+async def test_litellm_proxy_with_example_config(tmp_path: Path) -> None:
+    """The real LiteLLM proxy (``litellm --config docs/examples/litellm_config.yaml``) in
+    front of kvgate: the client's session header reaches kvgate through the proxy, and the
+    proxy's computed cost (``x-litellm-response-cost``) equals kvgate's ledger cost."""
+    exe = PROXY_VENV / "bin" / "litellm"
+    if not exe.exists():
+        pytest.skip(f"no LiteLLM proxy at {exe}: python3.11 -m venv {PROXY_VENV} && "
+                    f"{PROXY_VENV}/bin/pip install 'litellm[proxy]==1.106.2'")
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "yo"}]
+    async with _kvgate(tmp_path) as (app, url, key), httpx.AsyncClient(timeout=60) as client:
+        port = _free_port()
+        master = "sk-" + secrets.token_hex(32)
+        env = {**os.environ, "KVGATE_API_BASE": f"{url}/v1", "KVGATE_API_KEY": key,
+               "LITELLM_MASTER_KEY": master, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+        log = (tmp_path / "proxy.log").open("wb")
+        proc = await asyncio.create_subprocess_exec(
+            str(exe), "--config", str(EXAMPLES / "litellm_config.yaml"), "--host", "127.0.0.1",
+            "--port", str(port), env=env, stdout=log, stderr=asyncio.subprocess.STDOUT)
+        proxy = f"http://127.0.0.1:{port}"
+        try:
+            await _wait_ready(client, proxy, proc)
+            answers = []
+            for _ in range(2):
+                resp = await client.post(f"{proxy}/v1/chat/completions", headers={
+                    "authorization": f"Bearer {master}", "x-session-affinity": "ses_proxy_1"},
+                    json={
+                    "model": "sim-model", "messages": messages, "max_tokens": 5})
+                assert resp.status_code == 200, resp.text
+                answers.append(resp)
+        finally:
+            proc.terminate()
+            await proc.wait()
+            log.close()
+        rows = [r for r in (await ledger_rows(app)).values() if r.session is not None]
+        assert len(rows) == 2
+        assert all("ses_proxy_1" in str(r.session) for r in rows)  # the header got through
+        by_prompt = sorted(rows, key=lambda r: r.ts)
+        for resp, row in zip(answers, by_prompt, strict=True):
+            assert row.prompt_tokens == resp.json()["usage"]["prompt_tokens"]
+            cost = Decimal(resp.headers["x-litellm-response-cost"])
+            assert abs(row.cost_total - cost) <= Decimal("1e-12")
+        assert by_prompt[-1].cached_tokens  # the second call hit kvgate's prefix cache
