@@ -36,11 +36,12 @@ def pin_self(cpu: int) -> None:
 
 def start(
     argv: Sequence[str],
-    cpu: int,
+    cpu: int | str,
     log_path: Path,
     env: Mapping[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start ``argv`` pinned to ``cpu`` (children inherit the mask), output to ``log_path``."""
+    """Start ``argv`` pinned to ``cpu`` (a core, or a taskset list such as ``"0-1"``; children
+    inherit the mask), output to ``log_path``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, **(env or {})}
     with log_path.open("wb") as log:
@@ -101,7 +102,7 @@ def stop(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
 
 @contextlib.contextmanager
 def running(
-    argv: Sequence[str], cpu: int, log_path: Path, env: Mapping[str, str] | None = None
+    argv: Sequence[str], cpu: int | str, log_path: Path, env: Mapping[str, str] | None = None
 ) -> Iterator[subprocess.Popen[bytes]]:
     """:func:`start` as a context manager that always :func:`stop`\\ s."""
     proc = start(argv, cpu, log_path, env)

@@ -1,0 +1,232 @@
+"""The replay benchmark's systems: a fleet of simulated engines and the routers in front of it.
+
+Every system gets a fresh fleet (caches start empty): ``N`` ``python -m engines.sim`` processes
+named ``e0..e{N-1}``. For the kvgate policies that read KV events the engines connect to the
+gateway's bound SUB socket (topic ``kv@e<i>@sim-model``); the others run without events.
+
+kvgate runs as ``kvgate serve --config <generated JSON>`` (JSON is YAML); the peers run from the
+venvs of :mod:`bench.venvs` with every engine as a worker URL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import urllib.request
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench import procs, venvs
+from bench.replay_metrics import parse_prometheus
+
+MODEL = "sim-model"
+CPUS = "0-1"  # everything floats over both cores: the fleet needs more than one
+PROMPT_METRICS = ("vllm:prompt_tokens_total", "vllm:prompt_tokens_cached_total",
+                  "vllm:num_preemptions_total")
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSpec:
+    """Simulated engines: count, KV block size (tokens), capacity (blocks), time scale."""
+
+    engines: int = 8
+    block_size: int = 512
+    capacity_blocks: int = 4096
+    time_scale: float = 0.1
+
+    @property
+    def max_model_len(self) -> int:
+        """The whole cache: the traces' longest prompts exceed 128k tokens."""
+        return self.block_size * self.capacity_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class SystemSpec:
+    """One system under test: ``kind`` kvgate/sglang-router/vllm-router and its policy."""
+
+    name: str
+    kind: str
+    policy: str
+
+    @property
+    def text_prompt(self) -> bool:
+        """Peers get text prompts: sglang-router 0.3.2 rejects token-id prompts, and both peers'
+        ``cache_aware`` trees match text. The engines tokenize the text to the same ids."""
+        return self.kind != "kvgate"
+
+    @property
+    def uses_events(self) -> bool:
+        return self.kind == "kvgate" and self.policy in {"prefix", "default"}
+
+
+SYSTEMS: Mapping[str, SystemSpec] = {s.name: s for s in (
+    SystemSpec("kvgate-round-robin", "kvgate", "round-robin"),
+    SystemSpec("kvgate-least-load", "kvgate", "least-load"),
+    SystemSpec("kvgate-session", "kvgate", "session"),
+    SystemSpec("kvgate-prefix", "kvgate", "prefix"),
+    SystemSpec("kvgate-default", "kvgate", "default"),
+    SystemSpec("sglang-router-cache_aware", "sglang-router", "cache_aware"),
+    SystemSpec("vllm-router-consistent_hash", "vllm-router", "consistent_hash"),
+    SystemSpec("vllm-router-cache_aware", "vllm-router", "cache_aware"),
+)}
+
+
+def _plugin(kind: str, **params: Any) -> dict[str, Any]:
+    return {"type": kind, "params": params} if params else {"type": kind}
+
+
+@dataclass(frozen=True, slots=True)
+class DefaultTuning:
+    """Overrides of the default profile for tuning runs: scorer weights (prefix, load, session)
+    and token-imbalance-filter params (None: as in docs/routing.md)."""
+
+    weights: tuple[float, float, float] = (3.0, 2.0, 1.0)
+    guard: Mapping[str, float] | None = None
+
+
+def _compose(
+    producers: list[dict[str, Any]], filters: list[dict[str, Any]],
+    scorers: list[tuple[dict[str, Any], float]], picker: str = "max-score-picker",
+) -> tuple[list[Any], list[Any]]:
+    """(plugins, profile refs): producers, health and model filters, ``filters``, weighted
+    ``scorers`` and ``picker``; every instance is named after its type. Scorers are declared
+    before ``filters`` (the token-imbalance-filter reads the token-load-scorer)."""
+    base = [_plugin("health-filter"), _plugin("model-filter")]
+    plugins = [*producers, *base, *(s for s, _ in scorers), *filters, _plugin(picker)]
+    refs = [{"ref": f["type"]} for f in [*base, *filters]]
+    refs += [{"ref": s["type"], "weight": w} for s, w in scorers]
+    return plugins, [*refs, {"ref": picker}]
+
+
+def _policy_plugins(
+    policy: str, events: str, block_size: int, tuning: DefaultTuning | None = None
+) -> tuple[list[Any], list[Any]]:
+    """(plugins, profile refs) of a kvgate policy; ``tuning`` changes ``default``."""
+    tok = _plugin("tokenizer")  # token-id prompts pass straight through
+    precise = [tok, _plugin("kv-events", bind=events, connect=False, default_block_size=block_size),
+               _plugin("prefix-cache-producer", mode="precise")]
+    if policy == "round-robin":
+        return _compose([], [], [], "round-robin-picker")
+    if policy == "least-load":
+        return _compose([tok], [], [(_plugin("token-load-scorer"), 1.0)])
+    if policy == "session":
+        return _compose([], [], [(_plugin("session-affinity-scorer"), 1.0)])
+    if policy == "prefix":
+        return _compose(precise, [], [(_plugin("prefix-cache-scorer"), 1.0)])
+    if policy == "default":  # docs/routing.md, "The default profile"
+        tune = tuning or DefaultTuning()
+        prefix, load, session = tune.weights
+        return _compose(
+            precise, [_plugin("token-imbalance-filter", **(tune.guard or {}))],
+            [(_plugin("prefix-cache-scorer"), prefix), (_plugin("token-load-scorer"), load),
+             (_plugin("session-affinity-scorer"), session)])
+    raise ValueError(f"unknown kvgate policy {policy!r}")
+
+
+def kvgate_config(
+    policy: str, urls: list[str], port: int, events: str, block_size: int,
+    tuning: DefaultTuning | None = None,
+) -> dict[str, Any]:
+    """The ``kvgate serve --config`` document of ``policy`` over engines ``e0..``."""
+    plugins, refs = _policy_plugins(policy, events, block_size, tuning)
+    return {
+        "server": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
+        "pool": {"health_interval_s": 1.0, "metrics_interval_s": 1.0},
+        "engines": [{"name": f"e{i}", "url": u, "models": [MODEL]} for i, u in enumerate(urls)],
+        "plugins": plugins,
+        "profiles": [{"name": "default", "plugins": refs}],
+    }
+
+
+def sim_argv(i: int, port: int, fleet: FleetSpec, events: str | None) -> list[str]:
+    """Command line of engine ``e<i>``."""
+    argv = [sys.executable, "-m", "engines.sim", "--port", str(port), "--engine-id", f"e{i}",
+            "--model", MODEL, "--block-size", str(fleet.block_size),
+            "--capacity-blocks", str(fleet.capacity_blocks),
+            "--max-model-len", str(fleet.max_model_len), "--time-scale", str(fleet.time_scale),
+            "--seed", str(i)]
+    return argv + (["--kv-events", events] if events else [])
+
+
+def router_argv(spec: SystemSpec, urls: list[str], port: int, root: Path) -> list[str]:
+    """Command line of a peer router in front of ``urls``."""
+    common = ["--worker-urls", *urls, "--policy", spec.policy, "--host", "127.0.0.1",
+              "--port", str(port), "--prometheus-host", "127.0.0.1",
+              "--prometheus-port", str(procs.free_port())]
+    if spec.kind == "sglang-router":
+        python = venvs.bin_path(venvs.SGLANG_ROUTER, "python", root)
+        return [str(python), "-m", "sglang_router.launch_router", *common, "--log-level", "warn"]
+    program = venvs.bin_path(venvs.VLLM_ROUTER, "vllm-router", root)
+    return [str(program), *common, "--log-level", "warning"]
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    """A started system: where to send load and its engines' URLs."""
+
+    base_url: str
+    engine_urls: list[str]
+
+
+@contextlib.contextmanager
+def fleet_running(fleet: FleetSpec, events: str | None, logs: Path) -> Iterator[list[str]]:
+    """Start the engines; yield their URLs once all are healthy; stop them on exit."""
+    with contextlib.ExitStack() as stack:
+        urls: list[str] = []
+        started = []
+        for i in range(fleet.engines):
+            port = procs.free_port()
+            log = logs / f"e{i}.log"
+            proc = stack.enter_context(procs.running(sim_argv(i, port, fleet, events), CPUS, log))
+            urls.append(f"http://127.0.0.1:{port}")
+            started.append((proc, log))
+        for url, (proc, log) in zip(urls, started, strict=True):
+            procs.wait_healthy(url + "/health", proc, 60.0, log)
+        yield urls
+
+
+@contextlib.contextmanager
+def system_running(
+    spec: SystemSpec, fleet: FleetSpec, logs: Path, venv_root: Path,
+    tuning: DefaultTuning | None = None,
+) -> Iterator[Running]:
+    """A fresh fleet and ``spec`` in front of it."""
+    events = f"tcp://127.0.0.1:{procs.free_port()}" if spec.uses_events else None
+    with fleet_running(fleet, events, logs) as urls:
+        port = procs.free_port()
+        base = f"http://127.0.0.1:{port}"
+        if spec.kind == "kvgate":
+            config = logs / "kvgate.json"
+            config.write_text(json.dumps(
+                kvgate_config(spec.policy, urls, port, events or "", fleet.block_size, tuning),
+                indent=1))
+            argv = [str(Path(sys.executable).parent / "kvgate"), "serve", "--config", str(config)]
+        else:
+            argv = router_argv(spec, urls, port, venv_root)
+        log = logs / f"{spec.kind}.log"
+        with procs.running(argv, CPUS, log) as proc:
+            procs.wait_healthy(base + "/health", proc, 120.0, log)
+            if spec.kind == "kvgate":
+                procs.wait_healthy(base + "/v1/models", proc, 120.0, log, MODEL.encode())
+            yield Running(base, urls)
+
+
+def gateway_counters(url: str) -> dict[str, float]:
+    """kvgate's KV-event and index counters (``kvgate_kv_*``, labels summed); {} for peers."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    names = sorted({line.split("{", 1)[0].split(" ", 1)[0] for line in text.splitlines()
+                    if line.startswith("kvgate_kv_")})
+    return parse_prometheus(text, names)
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    """The prompt/cached token and preemption counters of one engine's ``/metrics``."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        return parse_prometheus(resp.read().decode(), PROMPT_METRICS)
