@@ -297,3 +297,29 @@ async def test_ledger_bills_the_prefill_hit(protocol: str, stream: bool, tmp_pat
         cold, warm = seen.values()
         assert cold == 0 and (warm or 0) > 256
         assert dec.engine.scheduler.stats.prompt_tokens_external > 0
+
+
+async def test_cache_aware_decider_skips_the_hop_when_decode_holds_the_prompt() -> None:
+    """With the tokenizer and the prefix index, a repeated prompt stays on the decode engine
+    that received its KV (it holds the prefix): no second prefill hop."""
+    async with contextlib.AsyncExitStack() as stack:
+        pre = await stack.enter_async_context(serve_sim(SimConfig(
+            engine_id="p0", role="prefill", time_scale=0.0)))
+        dec = await stack.enter_async_context(serve_sim(SimConfig(
+            engine_id="d0", role="decode", time_scale=0.0)))
+        data = _pd_data([pre], [dec], "nixl")
+        data["plugins"] = [
+            {"type": "tokenizer", "params": {"tokenizer": {"kind": "module", "module": "sim"}}},
+            {"type": "prefix-cache-producer", "params": {"mode": "approximate",
+                                                         "block_size": 16}},
+            {"type": "prefix-cache-scorer"}, *data["plugins"]]
+        data["profiles"][0]["plugins"].insert(-1, {"ref": "prefix-cache-scorer", "weight": 2})
+        _app, client = await stack.enter_async_context(gateway(data))
+        first, _, _ = await _ask(client, False)
+        assert first.headers.get("x-kvgate-prefill-engine") == "prefill-0"
+        second, _, usage = await _ask(client, False)
+        assert second.status_code == 200 and "x-kvgate-prefill-engine" not in second.headers
+        assert usage is not None
+        # served from the decode engine's own cache (the blocks it received the first time)
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 16
+        assert pre.engine.scheduler.stats.prompt_tokens == first.json()["usage"]["prompt_tokens"]
