@@ -93,15 +93,21 @@ class TwoHop:
 
     def __init__(
         self, connector: Connector, pool: EndpointPool, timeout: aiohttp.ClientTimeout,
-        settle_timeout_s: float, seed: int,
+        settle_timeout_s: float, seed: int, count: Callable[[str], None] | None = None,
     ) -> None:
         self.connector = connector
+        self._count = count
         self.pool = pool
         self.timeout = timeout
         self.settle_timeout_s = settle_timeout_s
         self.rng = random.Random(seed)
         #: Counters for tests and metrics: two-hop requests, fallbacks, cancelled prefills.
         self.stats = {"two_hop": 0, "fallback": 0, "prefill_cancelled": 0}
+
+    def _tally(self, result: str) -> None:
+        self.stats[result] += 1
+        if self._count is not None:
+            self._count(result)
 
     def context(self, req: InferenceRequest, decision: RoutingDecision) -> HopContext:
         assert decision.prefill is not None
@@ -153,7 +159,7 @@ class TwoHop:
         return answer
 
     def _fallback(self, req: InferenceRequest, ctx: HopContext, why: str) -> None:
-        self.stats["fallback"] += 1
+        self._tally("fallback")
         log.warning("request %s: prefill on %s failed (%s); decoding locally on %s",
                     req.request_id, ctx.prefill.id, why, ctx.decode.id)
 
@@ -169,7 +175,7 @@ class TwoHop:
             self._fallback(req, ctx, _why(err))
             await forward(None, None, progress)
             return
-        self.stats["two_hop"] += 1
+        self._tally("two_hop")
         progress.headers.append((b"x-kvgate-prefill-engine", ctx.prefill.id.encode()))
         await forward(body, UsageRewriter(hit, self.connector.decode_reports), progress)
 
@@ -202,10 +208,10 @@ class TwoHop:
                 log.warning("request %s: prefill on %s failed after decode started: %s",
                             req.request_id, ctx.prefill.id, err)
             await decode
-            self.stats["two_hop"] += 1
+            self._tally("two_hop")
         finally:
             if not prefill.done():
-                self.stats["prefill_cancelled"] += 1
+                self._tally("prefill_cancelled")
             await _cancel(prefill)
             await _cancel(decode)
 

@@ -89,7 +89,7 @@ class Gateway:
         self.two_hop: TwoHop | None = None
         if pipeline.connector is not None and dc is not None:
             self.two_hop = TwoHop(pipeline.connector, pool, self._timeout, dc.settle_timeout_s,
-                                  server.seed)
+                                  server.seed, self._count_pd)
 
     async def handle(self, scope: dict[str, Any], receive: Receive, send: Send, api: Api) -> None:
         started = time.monotonic()
@@ -332,6 +332,9 @@ class Gateway:
                 if errors:
                     log.exception("request %s: completion hook failed too", req.request_id)
                 errors.append(exc)
+
+    def _count_pd(self, result: str) -> None:
+        self.metrics.pd_requests.labels(result).inc()
 
     def _count_tokens(self, model: str, prompt: int, completion: int, cached: int | None) -> None:
         tokens = self.metrics.tokens

@@ -78,6 +78,10 @@ class GatewayMetrics:
         self.upstream_errors = Counter(
             "kvgate_upstream_errors", "Upstream failures", ["engine", "stage"], registry=r
         )
+        self.pd_requests = Counter(
+            "kvgate_pd_requests", "Requests routed with a prefill hop, by how the hop went "
+            "(two_hop, fallback: decoded locally, prefill_cancelled)", ["result"], registry=r
+        )
         r.register(_PoolCollector(snapshot))
 
     def render(self) -> bytes:

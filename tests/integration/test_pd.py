@@ -161,6 +161,7 @@ async def test_prefill_failure_falls_back_to_local_decode(protocol: str, stream:
         assert usage["prompt_tokens_details"]["cached_tokens"] == 0
         assert app.gateway.two_hop is not None
         assert app.gateway.two_hop.stats["fallback"] == 1
+        assert 'kvgate_pd_requests_total{result="fallback"} 1.0' in app.metrics.render().decode()
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
