@@ -7,17 +7,23 @@ so one token's K and V take 2 x 4 x 4 x 64 x 2 bytes = 4 KiB and an engine holds
 size: 16,384 tokens").
 
 Workload: ``SESSIONS`` = 7 conversations, interleaved turn by turn (one request at a time, in
-session order), each opening with its own ~2,900-token document and growing ~130 tokens a turn.
-Together they hold ~21-24k tokens: more than one engine's cache, less than the two caches.
+session order), each opening with its own ~2,700-token document and growing ~125 tokens a turn
+(a 100-token question and an 8-token answer in the chat template), 2,800-3,500 tokens a session:
+together ~20-24k tokens, more than one engine's cache and less than the two caches.
 
 * kvgate, the default profile of docs/routing.md (KV events, precise prefix scores, token load,
-  session affinity): each session stays on one engine, 4 + 3 sessions, ~14k tokens per engine,
-  so every turn after the first finds its history cached.
+  session affinity): each session stays on one engine, 4 + 3 sessions, at most ~14k tokens per
+  engine, so every turn after the first finds its history cached.
 * round-robin over the same engines: 7 is odd, so each session alternates engines every turn
   and both engines must hold all seven sessions; their LRU caches thrash and little is cached.
 
 Each run salts its prompts with its own ``cache_salt`` (vLLM keys a salted prompt's blocks
 apart), so the second run cannot reuse the first run's blocks.
+
+Then kvgate restarts (a fresh process with an empty index) and the sessions go on for
+``RESTART_TURNS`` more turns: the engines only extend prefixes they already hold, so the new
+gateway's KV events all name parents it never saw; it re-keys them from the prompts it routes
+(``kvgate_kv_index_resolved_orphans``) and every turn stays cached.
 """
 
 from __future__ import annotations
@@ -50,7 +56,9 @@ ENGINE_KV_TOKENS = 16_384
 BLOCK = 128
 SESSIONS = 7
 TURNS = 4
-DOCUMENT_TOKENS = 2_900
+#: Turns the sessions go on for through a restarted kvgate (a fresh process, empty index).
+RESTART_TURNS = 2
+DOCUMENT_TOKENS = 2_700
 MAX_TOKENS = 8
 MAX_MODEL_LEN = 4_096
 WORDS = ("river", "stone", "lantern", "harbor", "copper", "meadow", "signal", "orbit", "canvas",
@@ -85,10 +93,12 @@ def _round_robin(engines: list[LocalEngine]) -> dict[str, Any]:
 
 
 def _text(tokenizer: HfBackend, rng: random.Random, tokens: int) -> str:
-    """Seeded filler text of about ``tokens`` tokens (measured with the model's tokenizer)."""
+    """Seeded filler text of at most ``tokens`` tokens, within a few (the model's tokenizer)."""
     words: list[str] = []
     while len(tokenizer.encode(" ".join(words), False)) < tokens:
         words += [rng.choice(WORDS) + str(rng.randrange(100)) for _ in range(40)]
+    while len(tokenizer.encode(" ".join(words), False)) > tokens:
+        words.pop()
     return " ".join(words)
 
 
@@ -108,13 +118,13 @@ def _sessions(tokenizer: HfBackend) -> list[Session]:
 
 
 def _converse(client: openai.OpenAI, sessions: list[Session], salt: str,
-              tokenizer: HfBackend) -> None:
+              tokenizer: HfBackend, turns: range) -> None:
     """All sessions, turn by turn, interleaved; records each turn's cached and prompt tokens."""
-    rng = random.Random(5)
-    for turn in range(TURNS):
+    for turn in turns:
+        rng = random.Random(1000 + turn)
         for s in sessions:
             s.messages.append({"role": "user", "content": f"Question {turn}: "
-                               + _text(tokenizer, rng, 110)})
+                               + _text(tokenizer, rng, 100)})
             chat = client.chat.completions.create(
                 model=SERVED_NAME, messages=s.messages,  # type: ignore[arg-type]
                 max_tokens=MAX_TOKENS, temperature=0,
@@ -131,9 +141,10 @@ def _fresh(sessions: list[Session]) -> list[Session]:
     return [Session(s.sid, s.messages[:1]) for s in sessions]
 
 
-def _events_applied(url: str) -> float:
+def _metric(url: str, name: str) -> float:
+    """Sum of a metric family's samples on the gateway's /metrics (0 when absent)."""
     for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        if family.name == "kvgate_kv_events_applied":
+        if family.name == name:
             return sum(sample.value for sample in family.samples)
     return 0.0
 
@@ -148,34 +159,42 @@ def base_sessions(tokenizer: HfBackend) -> list[Session]:
     return _sessions(tokenizer)
 
 
+METRICS = ("kvgate_kv_events_applied", "kvgate_kv_index_resolved_orphans",
+           "kvgate_kv_index_orphan_blocks")
+
+
 def _run(config: dict[str, Any], tmp: Path, sessions: list[Session], salt: str,
-         tokenizer: HfBackend) -> tuple[list[Session], float, float]:
-    """One run through a fresh gateway: (sessions, events applied, seconds)."""
-    ran = _fresh(sessions)
+         tokenizer: HfBackend, turns: range) -> tuple[dict[str, float], float]:
+    """``turns`` of the sessions through a fresh gateway: (its METRICS, seconds)."""
     with kvgate_serve(config, tmp) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
                                timeout=120)
         started = time.monotonic()
-        _converse(client, ran, salt, tokenizer)
+        _converse(client, sessions, salt, tokenizer, turns)
         elapsed = time.monotonic() - started
-        applied = _events_applied(url)
-    return ran, applied, elapsed
+        metrics = {name: _metric(url, name) for name in METRICS}
+    return metrics, elapsed
 
 
 @pytest.fixture(scope="module")
 def runs(vllm_fleet: list[LocalEngine], events_port: int, tiny_model: Path,
          tokenizer: HfBackend, base_sessions: list[Session],
          tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    kv, applied, kv_s = _run(_default_profile(vllm_fleet, events_port, tiny_model),
-                             tmp_path_factory.mktemp("kvgate"), base_sessions, "run-kvgate",
-                             tokenizer)
-    rr, _, rr_s = _run(_round_robin(vllm_fleet), tmp_path_factory.mktemp("rr"), base_sessions,
-                       "run-round-robin", tokenizer)
-    return {"kvgate": kv, "round-robin": rr, "applied": applied, "seconds": (kv_s, rr_s)}
+    config = _default_profile(vllm_fleet, events_port, tiny_model)
+    kv = _fresh(base_sessions)
+    first, kv_s = _run(config, tmp_path_factory.mktemp("kvgate"), kv, "run-kvgate", tokenizer,
+                       range(TURNS))
+    after, restart_s = _run(config, tmp_path_factory.mktemp("restarted"), kv, "run-kvgate",
+                            tokenizer, range(TURNS, TURNS + RESTART_TURNS))
+    rr = _fresh(base_sessions)
+    _, rr_s = _run(_round_robin(vllm_fleet), tmp_path_factory.mktemp("rr"), rr,
+                   "run-round-robin", tokenizer, range(TURNS))
+    return {"kvgate": kv, "round-robin": rr, "metrics": first, "restarted": after,
+            "seconds": (kv_s, rr_s, restart_s)}
 
 
-def _total(sessions: list[Session], what: str, first: int = 1) -> int:
-    return sum(sum(getattr(s, what)[first:]) for s in sessions)
+def _total(sessions: list[Session], what: str, first: int = 1, end: int = TURNS) -> int:
+    return sum(sum(getattr(s, what)[first:end]) for s in sessions)
 
 
 def test_sessions_split_evenly_under_rendezvous_hashing(base_sessions: list[Session]) -> None:
@@ -194,6 +213,7 @@ def test_workload_exceeds_one_engine_and_fits_two(runs: dict[str, Any]) -> None:
     last = [s.prompt[-1] for s in kv]
     assert max(last) + MAX_TOKENS <= MAX_MODEL_LEN
     assert ENGINE_KV_TOKENS < sum(s.prompt[0] for s in kv) < sum(last) < 2 * ENGINE_KV_TOKENS
+    assert all(len(s.prompt) == TURNS + RESTART_TURNS for s in kv)
 
 
 def test_kvgate_caches_every_later_turn_and_beats_round_robin(runs: dict[str, Any]) -> None:
@@ -203,11 +223,12 @@ def test_kvgate_caches_every_later_turn_and_beats_round_robin(runs: dict[str, An
     hits = [row for row in later if row[2] > 0]
     kv_cached, rr_cached = _total(kv, "cached"), _total(rr, "cached")
     prompt = _total(kv, "prompt")
-    kv_s, rr_s = runs["seconds"]
+    kv_s, rr_s, _ = runs["seconds"]
     print(f"\ncache-routing e2e: later turns {len(later)}, kvgate cached on {len(hits)}; "
           f"cached tokens kvgate {kv_cached} / {prompt} ({kv_cached / prompt:.1%}), "
           f"round-robin {rr_cached} / {_total(rr, 'prompt')} ({rr_cached / prompt:.1%}); "
-          f"events applied {runs['applied']:.0f}; runs {kv_s:.1f} s + {rr_s:.1f} s")
+          f"events applied {runs['metrics']['kvgate_kv_events_applied']:.0f}; "
+          f"runs {kv_s:.1f} s + {rr_s:.1f} s")
     # (nearly) every turn after the first reuses the session's history: at least all of its
     # earlier prompt's full blocks, minus at most one turn that lost them
     assert len(hits) >= len(later) - 1, later
@@ -219,4 +240,19 @@ def test_kvgate_caches_every_later_turn_and_beats_round_robin(runs: dict[str, An
 
 
 def test_events_applied_metric(runs: dict[str, Any]) -> None:
-    assert runs["applied"] > 0
+    assert runs["metrics"]["kvgate_kv_events_applied"] > 0
+
+
+def test_restarted_gateway_relearns_the_engines_prefixes(runs: dict[str, Any]) -> None:
+    kv: list[Session] = runs["kvgate"]
+    after = runs["restarted"]
+    end = TURNS + RESTART_TURNS
+    cached, prompt = _total(kv, "cached", TURNS, end), _total(kv, "prompt", TURNS, end)
+    print(f"\nafter a kvgate restart: cached {cached} / {prompt} ({cached / prompt:.1%}); "
+          f"orphan events re-keyed {after['kvgate_kv_index_resolved_orphans']:.0f}, "
+          f"orphan blocks skipped {after['kvgate_kv_index_orphan_blocks']:.0f}; "
+          f"{runs['seconds'][2]:.1f} s")
+    assert all(s.cached[t] > 0 for s in kv for t in range(TURNS, end))
+    assert cached >= 0.8 * prompt
+    assert after["kvgate_kv_events_applied"] > 0
+    assert after["kvgate_kv_index_resolved_orphans"] > 0
