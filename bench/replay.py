@@ -59,9 +59,11 @@ CALIBRATION = ("engines/sim timing: H100 80GB, Llama-3.1-8B-shaped, transformers
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--traces", default="conversation,synthetic",
-                   help="trace names in --trace-dir (<name>_trace.jsonl) or paths, comma-separated")
+                   help="trace names in --trace-dir (<name>_trace.jsonl) or paths, comma-separated;"
+                        " NAME:N replays that trace's first N requests")
     p.add_argument("--trace-dir", type=Path, default=TRACE_DIR)
-    p.add_argument("--limit", type=int, default=None, help="replay the first N requests")
+    p.add_argument("--limit", type=int, default=None,
+                   help="replay the first N requests of each trace (default: all)")
     p.add_argument("--speedup", type=float, default=10.0, help="trace time compression (10)")
     p.add_argument("--time-scale", type=float, default=None,
                    help="simulated step time factor (default 1/speedup; 0 = instant)")
@@ -136,10 +138,11 @@ def _ref_dict(ref: Reference) -> dict[str, Any]:
     return asdict(ref)
 
 
-def run_trace(name: str, args: argparse.Namespace, stamp: str) -> dict[str, Any]:
-    """Every system on one trace; the JSON-ready result."""
+def run_trace(spec: str, args: argparse.Namespace, stamp: str) -> dict[str, Any]:
+    """Every system on one trace (``name`` or ``name:limit``); the JSON-ready result."""
+    name, _, limit = spec.partition(":")
     path = trace_path(name, args.trace_dir)
-    reqs = load_trace(path, args.limit)
+    reqs = load_trace(path, int(limit) if limit else args.limit)
     time_scale = args.time_scale if args.time_scale is not None else 1.0 / args.speedup
     fleet = FleetSpec(engines=args.engines, block_size=args.block_size,
                       capacity_blocks=args.capacity_blocks, time_scale=time_scale)
@@ -150,13 +153,16 @@ def run_trace(name: str, args: argparse.Namespace, stamp: str) -> dict[str, Any]
     jobs = _jobs(reqs, args.speedup, not args.no_sessions)
     rows: list[Summary] = []
     raw: dict[str, list[list[Any]]] = {}
+    wall: dict[str, float] = {}
     for system in args.systems.split(","):
         logs = args.out / "logs" / stamp / path.stem / system
         text = SYSTEMS[system].text_prompt
         if text not in bodies:
             bodies[text] = [completion_body(r, MODEL, args.max_output, cache, text) for r in reqs]
+        started = time.monotonic()
         outcomes, counters = run_system(SYSTEMS[system], fleet, jobs, bodies[text], args, logs,
                                         f"{path.stem[:12]} {system}")
+        wall[system] = round(time.monotonic() - started, 1)
         rows.append(summarize(system, outcomes, counters, time_scale,
                               [r.input_length for r in reqs]))
         raw[system] = [[o.index, o.status, o.ttft_s, o.cached_tokens, o.engine, o.error]
@@ -169,7 +175,7 @@ def run_trace(name: str, args: argparse.Namespace, stamp: str) -> dict[str, Any]
         "prompt_tokens": sum(r.input_length for r in reqs),
         "fleet": asdict(fleet), "reference": _ref_dict(ref),
         "engine_reachable_reference": _ref_dict(engine_ref),
-        "systems": [asdict(r) for r in rows],
+        "systems": [asdict(r) for r in rows], "wall_s": wall,
         "outcomes": {"fields": ["index", "status", "ttft_wall_s", "cached_tokens", "engine",
                                 "error"], **raw},
     }
@@ -191,8 +197,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "default_weights": args.weights, "results": {},
     }
     out_json = args.out / f"replay-{stamp}.json"
-    for name in args.traces.split(","):
-        doc["results"][Path(name).stem] = run_trace(name, args, stamp)
+    for spec in args.traces.split(","):
+        doc["results"][Path(spec.partition(":")[0]).stem] = run_trace(spec, args, stamp)
         out_json.write_text(json.dumps(doc, indent=1))
     plot(args.out / f"replay-{stamp}.png", doc["results"])
     print(f"wrote {out_json} and {out_json.with_suffix('.png')}", flush=True)

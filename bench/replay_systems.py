@@ -59,7 +59,7 @@ class SystemSpec:
 
     @property
     def uses_events(self) -> bool:
-        return self.kind == "kvgate" and self.policy in {"prefix", "default"}
+        return self.kind == "kvgate" and self.policy in {"prefix", "default", "default-noguard"}
 
 
 SYSTEMS: Mapping[str, SystemSpec] = {s.name: s for s in (
@@ -68,6 +68,8 @@ SYSTEMS: Mapping[str, SystemSpec] = {s.name: s for s in (
     SystemSpec("kvgate-session", "kvgate", "session"),
     SystemSpec("kvgate-prefix", "kvgate", "prefix"),
     SystemSpec("kvgate-default", "kvgate", "default"),
+    # the default profile without its token-imbalance-filter: what the guard costs and buys
+    SystemSpec("kvgate-default-noguard", "kvgate", "default-noguard"),
     SystemSpec("sglang-router-cache_aware", "sglang-router", "cache_aware"),
     SystemSpec("vllm-router-consistent_hash", "vllm-router", "consistent_hash"),
     SystemSpec("vllm-router-cache_aware", "vllm-router", "cache_aware"),
@@ -116,11 +118,12 @@ def _policy_plugins(
         return _compose([], [], [(_plugin("session-affinity-scorer"), 1.0)])
     if policy == "prefix":
         return _compose(precise, [], [(_plugin("prefix-cache-scorer"), 1.0)])
-    if policy == "default":  # docs/routing.md, "The default profile"
+    if policy in {"default", "default-noguard"}:  # docs/routing.md, "The default profile"
         tune = tuning or DefaultTuning()
         prefix, load, session = tune.weights
+        guard = [_plugin("token-imbalance-filter", **(tune.guard or {}))]
         return _compose(
-            precise, [_plugin("token-imbalance-filter", **(tune.guard or {}))],
+            precise, guard if policy == "default" else [],
             [(_plugin("prefix-cache-scorer"), prefix), (_plugin("token-load-scorer"), load),
              (_plugin("session-affinity-scorer"), session)])
     raise ValueError(f"unknown kvgate policy {policy!r}")
