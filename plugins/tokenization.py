@@ -95,7 +95,7 @@ def _token_text(value: object) -> str | None:
 class HfBackend:
     """``tokenizer.json`` + chat template of a Hugging Face model folder (no transformers)."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, chat_template: Path | None = None) -> None:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
         from tokenizers import Tokenizer
 
@@ -106,7 +106,8 @@ class HfBackend:
             name: _token_text(config.get(name)) or ""
             for name in ("bos_token", "eos_token", "pad_token", "unk_token")
         }
-        source = _chat_template_source(model_dir, config)
+        source = (chat_template.read_text(encoding="utf-8") if chat_template is not None
+                  else _chat_template_source(model_dir, config))
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True,
             extensions=["jinja2.ext.loopcontrols", _generation_extension()],
@@ -314,6 +315,9 @@ class TokenizerSpec(BaseModel):
     kind: Literal["hf", "module"]
     #: hf: folder holding tokenizer.json (and tokenizer_config.json / chat_template.jinja).
     model_dir: str | None = None
+    #: hf: a Jinja chat template file used instead of the folder's (the engine's
+    #: ``--chat-template``: the gateway must render chats with the same template).
+    chat_template: str | None = None
     #: module: entry-point name in group kvgate.tokenizers, or a dotted import path.
     module: str | None = None
 
@@ -322,6 +326,8 @@ class TokenizerSpec(BaseModel):
         needed = "model_dir" if self.kind == "hf" else "module"
         if getattr(self, needed) is None:
             raise ValueError(f"kind {self.kind!r} needs {needed}")
+        if self.chat_template is not None and self.kind != "hf":
+            raise ValueError("chat_template is for kind 'hf' (a module renders chats itself)")
         return self
 
 
@@ -329,7 +335,8 @@ def load_backend(spec: TokenizerSpec) -> TokenizerBackend:
     """Build a backend (reads files / imports modules: call at startup, off the event loop)."""
     if spec.kind == "hf":
         assert spec.model_dir is not None
-        return HfBackend(Path(spec.model_dir))
+        template = None if spec.chat_template is None else Path(spec.chat_template)
+        return HfBackend(Path(spec.model_dir), template)
     assert spec.module is not None
     name, _, attr = spec.module.partition(":")
     found = [ep for ep in entry_points(group=TOKENIZER_GROUP) if ep.name == spec.module]
@@ -387,9 +394,11 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
         self._pool: ThreadPoolExecutor | None = None
         for spec in (self.p.tokenizer, *self.p.models.values()):
             if spec is not None and spec.kind == "hf":
-                path = Path(spec.model_dir or "") / "tokenizer.json"
-                if not path.is_file():
-                    raise ConfigError(f"tokenizer: {path} does not exist")
+                paths = [Path(spec.model_dir or "") / "tokenizer.json"]
+                paths += [Path(spec.chat_template)] if spec.chat_template is not None else []
+                for path in paths:
+                    if not path.is_file():
+                        raise ConfigError(f"tokenizer: {path} does not exist")
 
     async def start(self) -> None:
         specs = {s for s in (self.p.tokenizer, *self.p.models.values()) if s is not None}

@@ -224,6 +224,44 @@ def test_hf_spec_checks_the_folder(tmp_path: Path) -> None:
         TokenizerSpec(kind="hf")
 
 
+#: (case, spec fields besides kind/model_dir, error raised when the plugin is configured)
+TEMPLATE_SPECS: list[tuple[str, dict[str, str], str | None]] = [
+    ("missing file", {"chat_template": "missing.jinja"}, r"missing\.jinja does not exist"),
+    ("module kind", {"kind": "module", "module": "engines.sim.tokenizer",
+                     "chat_template": "t.jinja"}, "chat_template is for kind 'hf'"),
+]
+
+
+@pytest.mark.parametrize(("case", "fields", "error"), TEMPLATE_SPECS,
+                         ids=[c[0] for c in TEMPLATE_SPECS])
+def test_chat_template_spec_checks(tmp_path: Path, case: str, fields: dict[str, str],
+                                   error: str) -> None:
+    folder = _build_hf(tmp_path / "f", "byte-level")
+    spec = {"kind": "hf", "model_dir": str(folder), **fields}
+    if "chat_template" in spec and spec["kind"] == "hf":
+        spec["chat_template"] = str(tmp_path / spec["chat_template"])
+    with pytest.raises((ConfigError, ValueError), match=error):
+        Tokenizer("tok", Tokenizer.Params(tokenizer=spec), NoLookup())
+
+
+async def test_configured_chat_template_replaces_the_folders(tmp_path: Path) -> None:
+    """The engine's ``--chat-template`` file: chats are rendered with it, not the folder's."""
+    folder = _build_hf(tmp_path / "f", "byte-level")
+    custom = tmp_path / "custom.jinja"
+    custom.write_text("{% for m in messages %}<|start_header_id|>{{ m['role'] | upper }}"
+                      "<|end_header_id|>{{ m['content'] }}<|eot_id|>{% endfor %}")
+    plugin = await _plugin(tokenizer={"kind": "hf", "model_dir": str(folder),
+                                      "chat_template": str(custom)})
+    msgs = _conversation(1)
+    backend = HfBackend(folder)
+    text = "".join(f"<|start_header_id|>{m['role'].upper()}<|end_header_id|>{m['content']}"
+                   "<|eot_id|>" for m in msgs)
+    assert await _tokens(plugin, request(Api.CHAT, {"messages": msgs})) == tuple(
+        backend.encode(text, False))
+    assert text != backend.render_chat(msgs, True, {})
+    await plugin.stop()
+
+
 HF_CASES = [
     # (pre-tokenizer, text between messages, split tokenization is exact -> cache on)
     ("byte-level", "", True),
