@@ -86,6 +86,8 @@ class UsageRewriter:
 
 #: The gateway's decode forward: (body, rewriter, progress) -> relayed to the client.
 Forward = Callable[[dict[str, Any] | None, UsageRewriter | None, Progress], Awaitable[None]]
+#: Told once the prefill hop ended (True: answered), e.g. to run the PrefillHook plugins.
+PrefillDone = Callable[[bool], Awaitable[None]]
 
 
 class TwoHop:
@@ -116,13 +118,14 @@ class TwoHop:
 
     async def run(
         self, session: aiohttp.ClientSession, req: InferenceRequest, decision: RoutingDecision,
-        forward: Forward, progress: Progress,
+        forward: Forward, progress: Progress, done: PrefillDone | None = None,
     ) -> None:
         ctx = self.context(req, decision)
+        prefill = self._prefill if done is None else _reporting(self._prefill, done)
         if self.connector.concurrent:
-            await self._concurrent(session, req, ctx, forward, progress)
+            await self._concurrent(prefill, session, req, ctx, forward, progress)
         else:
-            await self._sequential(session, req, ctx, forward, progress)
+            await self._sequential(prefill, session, req, ctx, forward, progress)
 
     def _decode_body(
         self, req: InferenceRequest, ctx: HopContext, answer: Mapping[str, Any] | None
@@ -164,12 +167,12 @@ class TwoHop:
                     req.request_id, ctx.prefill.id, why, ctx.decode.id)
 
     async def _sequential(
-        self, session: aiohttp.ClientSession, req: InferenceRequest, ctx: HopContext,
-        forward: Forward, progress: Progress,
+        self, prefill: _PrefillFn, session: aiohttp.ClientSession, req: InferenceRequest,
+        ctx: HopContext, forward: Forward, progress: Progress,
     ) -> None:
         hit = PrefillHit()
         try:
-            answer = await self._prefill(session, req, ctx, hit)
+            answer = await prefill(session, req, ctx, hit)
             body = self._decode_body(req, ctx, answer)
         except (UpstreamError, UpstreamHTTPError, TransferUnavailable) as err:
             self._fallback(req, ctx, _why(err))
@@ -180,11 +183,11 @@ class TwoHop:
         await forward(body, UsageRewriter(hit, self.connector.decode_reports), progress)
 
     async def _concurrent(
-        self, session: aiohttp.ClientSession, req: InferenceRequest, ctx: HopContext,
-        forward: Forward, progress: Progress,
+        self, prefill_fn: _PrefillFn, session: aiohttp.ClientSession, req: InferenceRequest,
+        ctx: HopContext, forward: Forward, progress: Progress,
     ) -> None:
         hit = PrefillHit()
-        prefill = asyncio.ensure_future(self._prefill(session, req, ctx, hit))
+        prefill = asyncio.ensure_future(prefill_fn(session, req, ctx, hit))
 
         async def settle() -> None:
             if not prefill.done():
@@ -214,6 +217,28 @@ class TwoHop:
                 self._tally("prefill_cancelled")
             await _cancel(prefill)
             await _cancel(decode)
+
+
+_PrefillFn = Callable[
+    [aiohttp.ClientSession, InferenceRequest, HopContext, PrefillHit],
+    Awaitable[dict[str, Any]],
+]
+
+
+def _reporting(prefill: _PrefillFn, done: PrefillDone) -> _PrefillFn:
+    """``prefill`` that calls ``done(ok)`` once it ends, however it ends."""
+
+    async def run(session: aiohttp.ClientSession, req: InferenceRequest, ctx: HopContext,
+                  hit: PrefillHit) -> dict[str, Any]:
+        ok = False
+        try:
+            answer = await prefill(session, req, ctx, hit)
+            ok = True
+            return answer
+        finally:
+            await done(ok)
+
+    return run
 
 
 def _why(err: BaseException) -> str:

@@ -234,7 +234,12 @@ class Gateway:
         ) -> None:
             await self._forward(req, state, target, send, prog, body, rewriter)
 
-        await self.two_hop.run(self.session, req, decision, forward, progress)
+        async def done(ok: bool) -> None:
+            assert prefill is not None
+            for hook in self.pipeline.prefill_hooks:
+                await hook.on_prefill_done(req, state, prefill, ok)
+
+        await self.two_hop.run(self.session, req, decision, forward, progress, done)
 
     async def _forward(
         self, req: InferenceRequest, state: CycleState, target: Endpoint, send: Send,

@@ -27,6 +27,7 @@ from middleware.plugin import (
     ModelCatalog,
     Picker,
     Plugin,
+    PrefillHook,
     ProfileHandler,
     RequestHook,
     Route,
@@ -51,6 +52,7 @@ class Pipeline:
     dispatch_hooks: tuple[DispatchHook, ...] = ()
     usage_hooks: tuple[UsageHook, ...] = ()
     completion_hooks: tuple[CompletionHook, ...] = ()
+    prefill_hooks: tuple[PrefillHook, ...] = ()
     listeners: tuple[EndpointSetListener, ...] = ()
     lifecycles: tuple[Lifecycle, ...] = field(default=())
     authenticator: Authenticator | None = None
@@ -296,6 +298,7 @@ def build_pipeline(config: GatewayConfig, registry: Registry) -> Pipeline:
         dispatch_hooks=tuple(p for p in values if isinstance(p, DispatchHook)),
         usage_hooks=tuple(p for p in values if isinstance(p, UsageHook)),
         completion_hooks=tuple(p for p in values if isinstance(p, CompletionHook)),
+        prefill_hooks=tuple(p for p in values if isinstance(p, PrefillHook)),
         listeners=tuple(p for p in values if isinstance(p, EndpointSetListener)),
         lifecycles=(*(p for p in values if isinstance(p, Lifecycle)),
                     *(b for b in backends.values() if isinstance(b, Lifecycle))),

@@ -164,6 +164,17 @@ class CompletionHook(Protocol):
 
 
 @runtime_checkable
+class PrefillHook(Protocol):
+    """Told when the prefill hop of a two-hop (prefill/decode) request has ended, before the
+    request completes (e.g. to release in-flight prefill load early). ``ok``: the prefill
+    answered; False: it failed or was cancelled (the request may then be decoded locally)."""
+
+    async def on_prefill_done(
+        self, req: InferenceRequest, state: CycleState, prefill: Endpoint, ok: bool
+    ) -> None: ...
+
+
+@runtime_checkable
 class EndpointSetListener(Protocol):
     """Told when endpoints join or leave the pool (e.g. to drop their index entries)."""
 
@@ -259,6 +270,7 @@ SLOTS: Mapping[str, type] = {
     "dispatch-hook": DispatchHook,
     "usage-hook": UsageHook,
     "completion-hook": CompletionHook,
+    "prefill-hook": PrefillHook,
     "endpoint-set-listener": EndpointSetListener,
     "lifecycle": Lifecycle,
     "metrics-source": MetricsSource,

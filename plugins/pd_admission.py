@@ -1,6 +1,6 @@
 """``pd-admission``: token-aware admission for prefill/decode pools.
 
-(RequestHook, DispatchHook, CompletionHook, EndpointSetListener.)
+(RequestHook, DispatchHook, CompletionHook, PrefillHook, EndpointSetListener.)
 
 Load comes from a ``token-load-scorer`` declared before it (``load_scorer``), which charges
 every dispatch's uncached prompt tokens to the engine that prefills it and its expected output
@@ -20,8 +20,8 @@ engines belong to both pools) and keeps the fleet out of overload:
 Otherwise the request waits, first come first served, in a queue of at most ``max_waiting``
 requests; a request finding the queue full gets 429 with ``Retry-After``, one that waited
 ``max_wait_s`` gets 503 (``overloaded``) with ``Retry-After``. Waiters are woken whenever a
-dispatch completes (and re-check every ``poll_s`` in case a completion hook ran in another
-order).
+dispatch completes or a prefill hop ends (and re-check every ``poll_s`` in case a hook ran in
+another order).
 
 Params (units in brackets):
 
@@ -60,6 +60,7 @@ from middleware.plugin import (
     EndpointSetListener,
     Plugin,
     PluginLookup,
+    PrefillHook,
     RequestHook,
 )
 from middleware.types import (
@@ -87,7 +88,9 @@ def decode_saturated(load: EngineLoad, max_requests: int, max_tokens: int) -> bo
     return load.requests >= max_requests or load.decode_tokens >= max_tokens
 
 
-class PdAdmission(Plugin, RequestHook, DispatchHook, CompletionHook, EndpointSetListener):
+class PdAdmission(
+    Plugin, RequestHook, DispatchHook, CompletionHook, PrefillHook, EndpointSetListener
+):
     """Waits requests while both pools are saturated (module docstring)."""
 
     type_name = "pd-admission"
@@ -214,6 +217,11 @@ class PdAdmission(Plugin, RequestHook, DispatchHook, CompletionHook, EndpointSet
     ) -> None:
         self._settle(state)
         self._notify()
+
+    async def on_prefill_done(
+        self, req: InferenceRequest, state: CycleState, prefill: Endpoint, ok: bool
+    ) -> None:
+        self._notify()  # the token-load scorer (declared first) released the prefill load
 
     # -- EndpointSetListener -----------------------------------------------------------------
     def on_endpoints_changed(

@@ -13,8 +13,10 @@ Two plugin types share one bookkeeping object, :class:`LoadTracker`:
       at ``max_output_tokens``, else ``default_output_tokens``, times ``n``.
 
     With prefill/decode disaggregation the prefill charge goes to ``decision.prefill`` and the
-    decode charge to the target; otherwise both go to the target. Every outcome releases the
-    charge (CompletionHook); releasing is idempotent.
+    decode charge to the target; otherwise both go to the target. The prefill engine's charge
+    is released as soon as the prefill hop ends (PrefillHook), not when the whole request does:
+    its work is done by then. Every outcome releases the rest (CompletionHook); releasing is
+    idempotent.
 
     Score of an engine, given this request::
 
@@ -62,6 +64,7 @@ from middleware.plugin import (
     Filter,
     Plugin,
     PluginLookup,
+    PrefillHook,
     Scorer,
 )
 from middleware.types import (
@@ -171,6 +174,25 @@ class LoadTracker:
         self.stats.released += 1
         return True
 
+    def release_prefill(self, ticket: int, endpoint: EndpointId) -> bool:
+        """Remove the prefill tokens a dispatch charged to ``endpoint`` (its prefill hop is
+        over); the dispatch itself stays counted until :meth:`release`."""
+        entry = self._entries.get(ticket)
+        if entry is None:
+            return False
+        done = [c for c in entry.charges if c.endpoint == endpoint and c.prefill_tokens]
+        if not done:
+            return False
+        for charge in done:
+            load = self._loads.get(endpoint, IDLE)
+            self._loads[endpoint] = EngineLoad(
+                max(0, load.prefill_tokens - charge.prefill_tokens), load.decode_tokens,
+                load.requests)
+        kept = tuple(Charge(c.endpoint, 0, c.decode_tokens) if c in done else c
+                     for c in entry.charges)
+        self._entries[ticket] = _Entry(entry.request_id, kept, entry.at)
+        return True
+
     def sweep(self, now: float) -> int:
         """Release entries charged more than ``max_age_s`` ago; returns how many."""
         cutoff = now - self.max_age_s
@@ -261,7 +283,9 @@ def within_bound(loads: Mapping[EndpointId, float], factor: float, slack: float)
 # -- plugins -----------------------------------------------------------------------------------
 
 
-class TokenLoadScorer(Plugin, Scorer, DispatchHook, CompletionHook, EndpointSetListener):
+class TokenLoadScorer(
+    Plugin, Scorer, DispatchHook, CompletionHook, PrefillHook, EndpointSetListener
+):
     """Scores engines by in-flight prefill + decode tokens (see the module docstring).
 
     Params (units in brackets):
@@ -355,6 +379,14 @@ class TokenLoadScorer(Plugin, Scorer, DispatchHook, CompletionHook, EndpointSetL
         if ticket is not None:
             self.tracker.release(ticket)
         self.tracker.sweep(self.clock())
+
+    # PrefillHook
+    async def on_prefill_done(
+        self, req: InferenceRequest, state: CycleState, prefill: Endpoint, ok: bool
+    ) -> None:
+        ticket = state.get(self._ticket)
+        if ticket is not None:
+            self.tracker.release_prefill(ticket, prefill.id)
 
     # EndpointSetListener
     def on_endpoints_changed(

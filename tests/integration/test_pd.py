@@ -25,6 +25,7 @@ from engines.sim.testing import RunningSim, serve_sim
 from middleware.app import KvgateApp
 from middleware.config import pd_config_data
 from plugins.pd_admission import PdAdmission
+from plugins.token_load import TokenLoadScorer
 from tests.integration.billing_helpers import PRICES_YAML, ledger_rows, write_keys
 from tests.integration.conftest import FAST_POOL, gateway, serve_gateway
 
@@ -324,3 +325,29 @@ async def test_cache_aware_decider_skips_the_hop_when_decode_holds_the_prompt() 
         # served from the decode engine's own cache (the blocks it received the first time)
         assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 16
         assert pre.engine.scheduler.stats.prompt_tokens == first.json()["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_prefill_load_released_when_the_prefill_hop_ends(protocol: str) -> None:
+    """Token-load accounting: while decode streams, the prefill engine carries no prefill load
+    for the request any more; the decode engine carries its expected output until the end."""
+    async with contextlib.AsyncExitStack() as stack:
+        pre = await stack.enter_async_context(serve_sim(SimConfig(
+            engine_id="p0", role="prefill", time_scale=1.0)))
+        dec = await stack.enter_async_context(serve_sim(SimConfig(
+            engine_id="d0", role="decode", time_scale=1.0)))
+        data = _pd_data([pre], [dec], protocol)
+        data["plugins"].append({"type": "token-load-scorer"})
+        app, url = await stack.enter_async_context(serve_gateway(data))
+        scorer = app.pipeline.plugins["token-load-scorer"]
+        assert isinstance(scorer, TokenLoadScorer)
+        body = _body(True, max_tokens=200)
+        async with aiohttp.ClientSession() as session, \
+                session.post(url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            assert (await resp.content.readany()).startswith(b"data: ")
+            await _until(lambda: scorer.tracker.load("prefill-0").prefill_tokens == 0)
+            assert scorer.tracker.load("prefill-0").requests == 1
+            assert scorer.tracker.load("decode-0").decode_tokens == 200
+            await resp.read()
+        await _until(lambda: len(scorer.tracker) == 0)
