@@ -62,6 +62,7 @@ class Args:
     duration: float
     system_tokens: int
     tool_tokens: int
+    tool_sigma: float
     output_tokens: int
     agents: int
     time_scale: float
@@ -87,6 +88,19 @@ def _text(rng: random.Random, tokens: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(tokens))
 
 
+#: Longest tool output drawn [tokens]: the prompt must fit the engines' 32k context.
+MAX_TOOL_TOKENS = 24_000
+
+
+def tool_length(rng: random.Random, a: Args) -> int:
+    """Tool output size [tokens]: uniform ±50 % around ``tool_tokens``, or with
+    ``tool_sigma`` > 0 lognormal with that mean (heavy-tailed), capped at MAX_TOOL_TOKENS."""
+    if a.tool_sigma <= 0:
+        return int(a.tool_tokens * rng.uniform(0.5, 1.5))
+    mu = math.log(a.tool_tokens) - a.tool_sigma ** 2 / 2
+    return min(MAX_TOOL_TOKENS, max(16, int(rng.lognormvariate(mu, a.tool_sigma))))
+
+
 def workload(a: Args) -> list[tuple[float, dict[str, Any]]]:
     """(arrival offset [s], body) for the whole run, seeded."""
     rng = random.Random(a.seed)
@@ -98,7 +112,7 @@ def workload(a: Args) -> list[tuple[float, dict[str, Any]]]:
         t += rng.expovariate(a.rate)
         if t >= a.duration:
             return out
-        tool = _text(rng, int(a.tool_tokens * rng.uniform(0.5, 1.5)))
+        tool = _text(rng, tool_length(rng, a))
         body = {"model": "sim-model", "stream": True, "ignore_eos": True,
                 "max_tokens": a.output_tokens, "stream_options": {"include_usage": True},
                 "messages": [{"role": "system", "content": rng.choice(systems)},
@@ -285,6 +299,8 @@ def parse(argv: Sequence[str] | None) -> Args:
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
     p.add_argument("--system-tokens", type=int, default=2000)
     p.add_argument("--tool-tokens", type=int, default=8000)
+    p.add_argument("--tool-sigma", type=float, default=0.0,
+                   help="lognormal sigma of tool sizes (0: uniform ±50 %%)")
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--agents", type=int, default=4, help="distinct system prompts")
     p.add_argument("--time-scale", type=float, default=1.0, help="simulator time scale")
@@ -300,8 +316,8 @@ def parse(argv: Sequence[str] | None) -> Args:
     if ns.with_vllm_router:
         systems += ("vllm-router-pd",)
     return Args(ns.engines, ns.prefill, ns.rate, ns.duration, ns.system_tokens, ns.tool_tokens,
-                ns.output_tokens, ns.agents, ns.time_scale, ns.batched_tokens, ns.seed, systems,
-                ns.cpus, ns.out)
+                ns.tool_sigma, ns.output_tokens, ns.agents, ns.time_scale, ns.batched_tokens,
+                ns.seed, systems, ns.cpus, ns.out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
