@@ -114,6 +114,13 @@ def map_error(exc: BaseException, step: BackendStep) -> HTTPError:
     return UpstreamError(f"provider error for {step.target}: {text}", retryable=retryable)
 
 
+async def _close(stream: Any) -> None:
+    """Close LiteLLM's stream wrapper (releases the provider connection) if it can be."""
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
 def is_retryable(err: HTTPError) -> bool:
     return isinstance(err, RateLimited) or (isinstance(err, UpstreamError) and err.retryable)
 
@@ -244,21 +251,28 @@ class LitellmBackend:
         if not req.stream:
             return BackendReply(payload=to_openai_json(resp, req.model, provider))
         stream = resp.__aiter__()
-        first = await anext(stream)  # failures up to here may still retry or fall back
-        return BackendReply(chunks=self._chunks(first, stream, step, req.model, provider))
+        try:
+            first = await anext(stream)  # failures up to here may still retry or fall back
+        except BaseException:
+            await _close(resp)
+            raise
+        return BackendReply(chunks=self._chunks(first, resp, step, req.model, provider))
 
-    async def _chunks(self, first: Any, stream: AsyncIterator[Any], step: BackendStep,
+    async def _chunks(self, first: Any, stream: Any, step: BackendStep,
                       public: str, provider: str) -> AsyncIterator[dict[str, Any]]:
+        """OpenAI chunks; closing this generator (client gone) closes the provider stream."""
         import openai
 
-        for out in to_openai_chunks(first, public, provider):
-            yield out
         try:
+            for out in to_openai_chunks(first, public, provider):
+                yield out
             async for chunk in stream:
                 for out in to_openai_chunks(chunk, public, provider):
                     yield out
         except openai.APIError as exc:
             raise map_error(exc, step) from None
+        finally:
+            await _close(stream)
 
     def extract_usage(self, payload: Mapping[str, Any]) -> Usage | None:
         usage = payload.get("usage")

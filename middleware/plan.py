@@ -153,20 +153,30 @@ class PlanRunner:
         headers = [*_SSE, *progress.headers, *plugin_headers(state)]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         try:
-            async for chunk in reply.chunks:
-                usage = backend.extract_usage(chunk)
-                if usage is not None and progress.usage is None:
-                    progress.usage = usage  # hooks before the usage and [DONE] are sent
-                    await self.gw._report_usage(req, state, target, progress)
-                    if not req.client_wants_usage and chunk.get("choices") == []:
-                        continue
-                progress.events += 1
-                data = b"data: " + json.dumps(chunk).encode() + b"\n\n"
-                await send({"type": "http.response.body", "body": data, "more_body": True})
+            await self._relay(backend, reply, req, state, target, send, progress)
         except HTTPError as err:
             progress.broken = f"provider stream broke: {err.message}"
+        finally:  # also on cancellation (client gone): close the provider's stream now
+            aclose = getattr(reply.chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
         tail = _DONE if progress.broken is None else error_event(progress.broken)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    async def _relay(self, backend: Backend, reply: BackendReply, req: InferenceRequest,
+                     state: CycleState, target: Endpoint, send: Send,
+                     progress: Progress) -> None:
+        assert reply.chunks is not None
+        async for chunk in reply.chunks:
+            usage = backend.extract_usage(chunk)
+            if usage is not None and progress.usage is None:
+                progress.usage = usage  # hooks before the usage and [DONE] are sent
+                await self.gw._report_usage(req, state, target, progress)
+                if not req.client_wants_usage and chunk.get("choices") == []:
+                    continue
+            progress.events += 1
+            data = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+            await send({"type": "http.response.body", "body": data, "more_body": True})
 
 
 def plugin_headers(state: CycleState) -> Headers:

@@ -17,7 +17,7 @@ import yaml
 from engines.sim.testing import RunningSim
 from middleware.app import KvgateApp
 from tests.integration.billing_helpers import Keys, write_keys
-from tests.integration.conftest import gateway, gateway_config, sim_fleet
+from tests.integration.conftest import gateway, gateway_config, serve_gateway, sim_fleet
 from tests.integration.fake_providers import FakeProvider, anthropic_app, openai_app, serve
 
 PRICES = """\
@@ -76,7 +76,10 @@ def stack_config(sim_url: str, tmp: Path, keys: Keys, models: list[dict[str, Any
 
 @contextlib.asynccontextmanager
 async def provider_stack(tmp: Path, monkeypatch: pytest.MonkeyPatch,
-                         narrow_models: list[str] | None = None) -> AsyncIterator[Stack]:
+                         narrow_models: list[str] | None = None,
+                         served: bool = False) -> AsyncIterator[Stack]:
+    """The stack; ``served``: kvgate behind uvicorn on loopback (real connections, so a
+    client can go away), else in-process through ASGITransport."""
     monkeypatch.setenv("KVG_OPENAI_KEY", "sk-test")
     monkeypatch.setenv("KVG_ANTHROPIC_KEY", "sk-test")
     fo, fa = FakeProvider(), FakeProvider()
@@ -86,5 +89,10 @@ async def provider_stack(tmp: Path, monkeypatch: pytest.MonkeyPatch,
     keys.path.write_text(yaml.safe_dump(entries))
     async with sim_fleet(1) as sims, serve(openai_app(fo)) as ou, serve(anthropic_app(fa)) as au:
         data = stack_config(sims[0].url, tmp, keys, catalog_models(ou, au))
-        async with gateway(data) as (app, client):
+        if not served:
+            async with gateway(data) as (app, client):
+                yield Stack(app, client, sims[0], fo, fa, keys)
+            return
+        async with serve_gateway(data) as (app, url), httpx.AsyncClient(
+                base_url=url, timeout=30) as client:
             yield Stack(app, client, sims[0], fo, fa, keys)

@@ -47,6 +47,9 @@ class FakeProvider:
     fail_status: int = 429
     #: Cut the next OpenAI stream after this many events (no ``[DONE]``); None: never.
     drop_after: int | None = None
+    #: Pause between OpenAI stream events (seconds), and how many streams are being sent.
+    chunk_delay_s: float = 0.0
+    streams_open: int = 0
     requests: list[dict[str, Any]] = field(default_factory=list)
     seen_prefixes: set[str] = field(default_factory=set)
 
@@ -121,8 +124,18 @@ async def _openai_chat(request: Request) -> Response:
         return JSONResponse({**base, "object": "chat.completion", "usage": usage, "choices": [
             {"index": 0, "message": message, "finish_reason": finish}]})
     drop, fake.drop_after = fake.drop_after, None
-    return StreamingResponse(_openai_stream(body, base, message, finish, usage, drop),
+    return StreamingResponse(_counted(fake, _openai_stream(body, base, message, finish, usage,
+                                                           drop, fake.chunk_delay_s)),
                              media_type="text/event-stream")
+
+
+async def _counted(fake: FakeProvider, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    fake.streams_open += 1
+    try:
+        async for part in stream:
+            yield part
+    finally:
+        fake.streams_open -= 1
 
 
 class StreamCut(Exception):
@@ -130,8 +143,8 @@ class StreamCut(Exception):
 
 
 async def _openai_stream(body: dict[str, Any], base: dict[str, Any], message: dict[str, Any],
-                         finish: str, usage: dict[str, Any],
-                         drop: int | None = None) -> AsyncIterator[bytes]:
+                         finish: str, usage: dict[str, Any], drop: int | None = None,
+                         delay_s: float = 0.0) -> AsyncIterator[bytes]:
     chunk = {**base, "object": "chat.completion.chunk"}
     pieces: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
     if message.get("tool_calls"):
@@ -141,6 +154,8 @@ async def _openai_stream(body: dict[str, Any], base: dict[str, Any], message: di
     for i, delta in enumerate(pieces):
         if drop is not None and i >= drop:
             raise StreamCut("injected mid-stream failure")
+        if i and delay_s:
+            await asyncio.sleep(delay_s)
         last = i == len(pieces) - 1
         yield _sse({**chunk, "choices": [{"index": 0, "delta": delta,
                                           "finish_reason": finish if last else None}]})

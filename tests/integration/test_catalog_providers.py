@@ -282,3 +282,25 @@ async def test_no_fallback_on_client_errors(tmp_path: Path,
         resp = await _post(s, _chat("sim"))
         assert resp.status_code == 400
         assert s.openai.requests == []  # 400 is not in fallback_on: the provider is not tried
+
+
+async def test_client_gone_closes_provider_stream(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    async with provider_stack(tmp_path, monkeypatch, served=True) as s:
+        s.openai.chunk_delay_s = 0.5  # ~3 s of answer: still streaming when the client leaves
+        body = _chat("gpt-x", stream=True)
+        async with s.client.stream("POST", "/v1/chat/completions", json=body,
+                                   headers=s.keys.auth("admin")) as resp:
+            rid = resp.headers["x-request-id"]
+            async for part in resp.aiter_bytes():
+                assert part.startswith(b"data: ")
+                break
+            assert s.openai.streams_open == 1
+        for _ in range(50):  # the client is gone: kvgate closes the provider stream at once
+            if s.openai.streams_open == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert s.openai.streams_open == 0
+        row = (await ledger_rows(s.app))[rid]
+        assert (row.outcome, row.engine) == ("client_disconnect", "litellm:openai/gpt-x")
+        assert 'status="499"' in s.app.metrics.render().decode()
