@@ -85,6 +85,10 @@ class Gateway:
         self._timeout = aiohttp.ClientTimeout(
             total=server.request_timeout_s, connect=server.connect_timeout_s
         )
+        catalog = pipeline.catalog
+        #: Public catalog names: metric labels for models no engine lists (provider models).
+        self._catalog_models = frozenset(
+            str(card["id"]) for card in (catalog.list_models(None) if catalog else ()))
         dc = config.disaggregation
         self.two_hop: TwoHop | None = None
         if pipeline.connector is not None and dc is not None:
@@ -109,6 +113,8 @@ class Gateway:
                 req.principal = principal
                 req.tenant, req.key_id = principal.tenant, principal.key_id
             model = req.model if req.model in self.pool.models() else "other"
+            if model == "other" and req.model in self._catalog_models:
+                model = req.model  # a catalog model (bounded by the catalog file)
             status = await self._serve(req, receive, send, extra)
         except ClientGone:
             status = 499

@@ -304,3 +304,11 @@ async def test_client_gone_closes_provider_stream(tmp_path: Path,
         row = (await ledger_rows(s.app))[rid]
         assert (row.outcome, row.engine) == ("client_disconnect", "litellm:openai/gpt-x")
         assert 'status="499"' in s.app.metrics.render().decode()
+
+
+async def test_provider_models_in_metrics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with provider_stack(tmp_path, monkeypatch) as s:
+        await _post(s, _chat("claude-x", stream=True, usage=True))
+        metrics = (await s.client.get("/metrics")).text
+        assert 'kvgate_requests_total{api="chat",model="claude-x",status="200"} 1.0' in metrics
+        assert 'kvgate_tokens_total{kind="cached",model="claude-x"}' in metrics
