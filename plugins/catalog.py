@@ -17,6 +17,7 @@ Catalog file (YAML, one per gateway)::
         provider:                      # third party, through an in-process backend (LiteLLM)
           model: anthropic/claude-haiku-4-5    # LiteLLM's provider/model
           api_key_env: ANTHROPIC_API_KEY       # NAME of the variable; the key is never stored
+          env: []                      # other variables LiteLLM reads itself (names, checked)
           api_base: https://api.anthropic.com  # optional
           timeout_s: 60
           retries: 1                   # same-provider retries on 429/5xx before the first byte
@@ -41,7 +42,7 @@ import datetime as dt
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -71,6 +72,10 @@ class ProviderSpec(BaseModel):
     #: In-process backend kind (``kvgate.engines`` entry point).
     backend: str = "litellm"
     api_key_env: str | None = Field(None, pattern=_ENV)
+    #: Other variables the provider needs that LiteLLM reads from the environment itself
+    #: (e.g. AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION_NAME for bedrock/...):
+    #: names only, checked at startup.
+    env: tuple[Annotated[str, Field(pattern=_ENV)], ...] = ()
     api_base: str | None = Field(None, pattern=r"^https?://\S+$")
     #: Upper bound on one provider call, seconds.
     timeout_s: float = Field(600.0, gt=0)
@@ -147,9 +152,12 @@ def _check_names(path: Path, parsed: CatalogFile) -> dict[str, ModelEntry]:
                 raise ConfigError(f"{where}: {name!r} is already the name or an alias of "
                                   f"{names[name].name!r}")
             names[name] = entry
-        env = entry.provider.api_key_env if entry.provider else None
-        if env is not None and env not in os.environ:
-            raise ConfigError(f"{where}: environment variable {env} (api_key_env) is not set")
+        spec = entry.provider
+        needed = [] if spec is None else [(spec.api_key_env, "api_key_env")] + [
+            (name, "env") for name in spec.env]
+        for env, key in needed:
+            if env is not None and env not in os.environ:
+                raise ConfigError(f"{where}: environment variable {env} ({key}) is not set")
     canonical = {e.name for e in parsed.models}
     for i, entry in enumerate(parsed.models):
         where = f"{path}: models[{i}] (name {entry.name!r})"
