@@ -149,9 +149,11 @@ def infer_sessions(
     reqs: Sequence[TraceRequest], min_blocks: int = MIN_SESSION_BLOCKS
 ) -> list[int]:
     """Session number per request, in order: a request whose hash ids extend (or repeat) an
-    earlier request's whole hash-id list of at least ``min_blocks`` blocks continues that
-    request's session (the longest such earlier prompt wins); otherwise it starts a new one.
-    Sessions are numbered from 0 in order of first appearance."""
+    earlier request's *full* blocks (at least ``min_blocks`` of them) continues that request's
+    session (the longest such earlier prompt wins); otherwise it starts a new one. Only full
+    blocks count because a conversation's next turn appends the answer and a new message to the
+    prompt, which changes the content (and so the hash id) of its last, partial block. Sessions
+    are numbered from 0 in order of first appearance."""
     seen: dict[tuple[int, ...], int] = {}
     sessions: list[int] = []
     next_id = 0
@@ -165,8 +167,9 @@ def infer_sessions(
         if session is None:
             session, next_id = next_id, next_id + 1
         sessions.append(session)
-        if len(ids) >= min_blocks:
-            seen.setdefault(ids, session)
+        full = ids[: req.input_length // TRACE_BLOCK]
+        if len(full) >= min_blocks:
+            seen.setdefault(full, session)
     return sessions
 
 

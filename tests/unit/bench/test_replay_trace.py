@@ -120,6 +120,22 @@ def test_infer_sessions(traces: list[list[int]], expected: list[int]) -> None:
     assert infer_sessions([req(i, ids) for i, ids in enumerate(traces)]) == expected
 
 
+@pytest.mark.parametrize(("turns", "expected"), [
+    # next turn: the earlier prompt's full blocks [1, 2], then a new block 9 where the earlier
+    # partial block 3 was (the answer and new message changed its content)
+    ([([1, 2, 3], 1100), ([1, 2, 9, 10], 1900)], [0, 0]),
+    # the earlier prompt has fewer than 2 full blocks: no session to continue
+    ([([1, 3], 700), ([1, 9, 10], 1400)], [0, 1]),
+    # it differs inside the earlier prompt's full blocks: a new session
+    ([([1, 2, 3], 1100), ([1, 4, 9], 1400)], [0, 1]),
+])
+def test_infer_sessions_ignores_partial_last_block(
+    turns: list[tuple[list[int], int]], expected: list[int]
+) -> None:
+    reqs = [req(i, ids, length) for i, (ids, length) in enumerate(turns)]
+    assert infer_sessions(reqs) == expected
+
+
 def test_send_offsets_compress_time() -> None:
     reqs = [req(i, [i], ts=ts) for i, ts in enumerate([1000, 1000, 3000, 11_000])]
     assert send_offsets(reqs, 10.0) == [0.0, 0.0, 0.2, 1.0]
