@@ -105,8 +105,8 @@ OUTCOMES: list[tuple[str, dict[str, Any] | None, bool, float, int | str, int]] =
     ("engine 503, retried on the other, then 502", {"fail_next": 1}, False, 30.0, 502, 2),
     ("engine 400, relayed", {"fail_next": 1, "status": 400}, False, 30.0, 400, 1),
     ("stream cut mid-way", {"drop_after_chunks": 2}, True, 30.0, 200, 1),
-    ("client gives up waiting", {"delay_first_byte_s": 30.0}, False, 0.3, "ReadTimeout", 1),
-    ("client gives up a stream", {"delay_first_byte_s": 30.0}, True, 0.3, "ReadTimeout", 1),
+    ("client gives up waiting", {"delay_first_byte_s": 1.5}, False, 0.3, "ReadTimeout", 1),
+    ("client gives up a stream", {"delay_first_byte_s": 1.5}, True, 0.3, "ReadTimeout", 1),
 ]
 
 
