@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 ANSWER = "the quick brown fox jumps"
-#: Most request bodies a fake remembers (oldest dropped): bounded like everything else.
+#: Most request bodies (oldest dropped) and cached prefixes (all dropped) a fake remembers.
 MAX_RECORDED = 256
 
 
@@ -199,6 +199,8 @@ def _anthropic_usage(fake: FakeProvider, body: dict[str, Any]) -> dict[str, int]
             read = prefix
         else:
             write = prefix
+            if len(fake.seen_prefixes) >= MAX_RECORDED:  # a small cache: forget everything
+                fake.seen_prefixes.clear()
             fake.seen_prefixes.add(key)
     return {"input_tokens": total - read - write, "output_tokens": len(ANSWER.split()),
             "cache_creation_input_tokens": write, "cache_read_input_tokens": read}
