@@ -9,7 +9,7 @@ import pytest
 
 from middleware.types import Api, CycleState, RoutingDecision
 from plugins.kv_index import KvIndex, chain_hashes, request_extra_keys
-from plugins.kv_recent import RecentPrompts, pack_tokens
+from plugins.kv_recent import SCAN_PROMPTS, RecentPrompts, pack_tokens
 from plugins.prefix_cache import PrefixCacheProducer
 from plugins.state import PREFIX_MATCH, TOKEN_IDS
 from tests.unit.routing.helpers import Clock, Lookup, endpoint, frames, removed, request, stored
@@ -139,3 +139,18 @@ async def test_gateway_restart_relearns_a_hot_prefix() -> None:
     assert sub.index.stats.resolved_orphans == 1
     sub.handle_frames(frames("kv@e0", seq + 1, [removed([8])]))
     assert sub.index.match_tokens(system, clock.now) == {"e0": (7 * BS, 0)}
+
+
+def test_lookup_scans_only_the_newest_prompts_of_the_holder() -> None:
+    recent = RecentPrompts(1 << 24, max_prompts=10_000)
+    old = _tokens(20, 2)
+    recent.add("e0", 0, BS, pack_tokens(old), chain_hashes(old, BS))
+    for seed in range(SCAN_PROMPTS - 1):
+        t = _tokens(100 + seed, 2)
+        recent.add("e0", 0, BS, pack_tokens(t), chain_hashes(t, BS))
+    block = pack_tokens(old[BS:])
+    assert [i for _, i in recent.candidates("e0", 0, block)] == [1]  # the 64th newest
+    recent.add("e1", 0, BS, pack_tokens(old), chain_hashes(old, BS))  # other holders don't count
+    assert [i for _, i in recent.candidates("e0", 0, block)] == [1]
+    recent.add("e0", 0, BS, pack_tokens(_tokens(7, 2)), chain_hashes(_tokens(7, 2), BS))
+    assert list(recent.candidates("e0", 0, block)) == []  # now 65th: not searched
