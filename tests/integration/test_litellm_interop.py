@@ -30,6 +30,7 @@ from plugins.auth import hash_key, new_key
 from pricing.prices import load_book, to_litellm
 from tests.integration.billing_helpers import ledger_rows
 from tests.integration.conftest import gateway_config, serve_gateway, sim_fleet
+from tests.litellm_proxy_venv import ensure_proxy_venv
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
@@ -142,7 +143,6 @@ async def test_proxy_config_example_with_litellm_router(tmp_path: Path,
         await _check_costs(app, calls, "ses_router_1")
 
 
-PROXY_VENV = Path.home() / ".cache" / "kvgate" / "litellm-proxy-venv"
 #: The proxy takes ~90 s to boot on a 2-core machine (it imports all of LiteLLM's proxy app).
 PROXY_BOOT_S = 240.0
 
@@ -166,16 +166,19 @@ async def _wait_ready(client: httpx.AsyncClient, url: str, proc: Process) -> Non
     raise AssertionError(f"the LiteLLM proxy did not start within {PROXY_BOOT_S} s")
 
 
+@pytest.fixture(scope="session")
+def proxy_exe() -> Path:
+    """The real LiteLLM proxy, its venv built on first use (about 40 s, then reused)."""
+    return ensure_proxy_venv()
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
-async def test_litellm_proxy_with_example_config(tmp_path: Path) -> None:
+async def test_litellm_proxy_with_example_config(tmp_path: Path, proxy_exe: Path) -> None:
     """The real LiteLLM proxy (``litellm --config docs/examples/litellm_config.yaml``) in
     front of kvgate: the client's session header reaches kvgate through the proxy, and the
     proxy's computed cost (``x-litellm-response-cost``) equals kvgate's ledger cost."""
-    exe = PROXY_VENV / "bin" / "litellm"
-    if not exe.exists():
-        pytest.skip(f"no LiteLLM proxy at {exe}: python3.11 -m venv {PROXY_VENV} && "
-                    f"{PROXY_VENV}/bin/pip install 'litellm[proxy]==1.106.2'")
+    exe = proxy_exe
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "yo"}]
     async with _kvgate(tmp_path) as (app, url, key), httpx.AsyncClient(timeout=60) as client:
         port = _free_port()
