@@ -138,6 +138,16 @@ def _ref_dict(ref: Reference) -> dict[str, Any]:
     return asdict(ref)
 
 
+def _bodies(
+    cache: dict[bool, list[bytes]], reqs: Sequence[TraceRequest], text: bool, max_output: int,
+    blocks: BlockCache,
+) -> list[bytes]:
+    """The request bodies in one prompt format, built once per trace and format."""
+    if text not in cache:
+        cache[text] = [completion_body(r, MODEL, max_output, blocks, text) for r in reqs]
+    return cache[text]
+
+
 def run_trace(spec: str, args: argparse.Namespace, stamp: str) -> dict[str, Any]:
     """Every system on one trace (``name`` or ``name:limit``); the JSON-ready result."""
     name, _, limit = spec.partition(":")
@@ -148,7 +158,7 @@ def run_trace(spec: str, args: argparse.Namespace, stamp: str) -> dict[str, Any]
                       capacity_blocks=args.capacity_blocks, time_scale=time_scale)
     pooled = args.engines * args.capacity_blocks * args.block_size // TRACE_BLOCK
     ref, engine_ref = reference(reqs, pooled), reference(reqs, pooled, engine_view=True)
-    cache = BlockCache()
+    blocks = BlockCache()
     bodies: dict[bool, list[bytes]] = {}
     jobs = _jobs(reqs, args.speedup, not args.no_sessions)
     rows: list[Summary] = []
@@ -156,11 +166,9 @@ def run_trace(spec: str, args: argparse.Namespace, stamp: str) -> dict[str, Any]
     wall: dict[str, float] = {}
     for system in args.systems.split(","):
         logs = args.out / "logs" / stamp / path.stem / system
-        text = SYSTEMS[system].text_prompt
-        if text not in bodies:
-            bodies[text] = [completion_body(r, MODEL, args.max_output, cache, text) for r in reqs]
+        body = _bodies(bodies, reqs, SYSTEMS[system].text_prompt, args.max_output, blocks)
         started = time.monotonic()
-        outcomes, counters = run_system(SYSTEMS[system], fleet, jobs, bodies[text], args, logs,
+        outcomes, counters = run_system(SYSTEMS[system], fleet, jobs, body, args, logs,
                                         f"{path.stem[:12]} {system}")
         wall[system] = round(time.monotonic() - started, 1)
         rows.append(summarize(system, outcomes, counters, time_scale,
