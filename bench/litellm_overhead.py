@@ -1,17 +1,20 @@
-"""What the catalog + LiteLLM backend path adds to a provider call (not a test; run it).
+"""What the catalog + LiteLLM backend path adds to a provider call.
 
 Sequential chat completions to the OpenAI-compatible stand-in (tests/integration/fake_providers),
 once straight through ``litellm.acompletion`` and once through kvgate (catalog, api-keys,
 billing with its SQLite ledger; the client is httpx over ASGITransport in the same event loop):
 
-    .venv/bin/python -m tests.integration.bench_litellm_overhead [N]
+    .venv/bin/python -m bench.litellm_overhead [N]
 
-Prints the median and p90 latency of each, in milliseconds.
+Prints the median and p90 latency of each, in milliseconds, and their ratio, and writes them to
+``bench/results/litellm-overhead-<time>.json``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
+import json
 import statistics
 import sys
 import tempfile
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.overhead import RESULTS_DIR
 from engines.litellm_provider import load_litellm
 from plugins.catalog import Catalog
 from tests.integration.catalog_helpers import provider_stack
@@ -29,7 +33,7 @@ MESSAGES = [{"role": "user", "content": "hello there"}]
 WARMUP = 20
 
 
-async def _measure(name: str, call: Callable[[], Awaitable[None]], n: int) -> None:
+async def _measure(name: str, call: Callable[[], Awaitable[None]], n: int) -> dict[str, float]:
     for _ in range(WARMUP):
         await call()
     times = []
@@ -38,8 +42,9 @@ async def _measure(name: str, call: Callable[[], Awaitable[None]], n: int) -> No
         await call()
         times.append(time.perf_counter() - start)
     times.sort()
-    print(f"{name}: n={n} median {statistics.median(times) * 1e3:.2f} ms "
-          f"p90 {times[int(0.9 * n)] * 1e3:.2f} ms")
+    median_ms, p90_ms = statistics.median(times) * 1e3, times[int(0.9 * n)] * 1e3
+    print(f"{name}: n={n} median {median_ms:.2f} ms p90 {p90_ms:.2f} ms")
+    return {"n": n, "median_ms": median_ms, "p90_ms": p90_ms}
 
 
 async def main(n: int) -> None:
@@ -62,8 +67,17 @@ async def main(n: int) -> None:
                                                  "messages": MESSAGES})
                 assert resp.status_code == 200
 
-            await _measure("litellm.acompletion direct", direct, n)
-            await _measure("through kvgate (catalog, api-keys, billing)", via_kvgate, n)
+            results = {"direct": await _measure("litellm.acompletion direct", direct, n),
+                       "kvgate": await _measure("through kvgate (catalog, api-keys, billing)",
+                                                via_kvgate, n)}
+    ratio = results["kvgate"]["median_ms"] / results["direct"]["median_ms"]
+    print(f"kvgate / direct, median: {ratio:.3f}")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    out = RESULTS_DIR / f"litellm-overhead-{stamp}.json"
+    out.write_text(json.dumps({"benchmark": "litellm-overhead", "results": results,
+                               "median_ratio": ratio}, indent=2))
+    print(f"JSON: {out}")
 
 
 if __name__ == "__main__":
