@@ -51,9 +51,11 @@ from bench.replay_trace import (
     send_offsets,
 )
 
-TRACE_DIR = Path("/work/shared/traces/mooncake")
+#: The workplace's shared/ folder sits beside the repository (``KVGATE_TRACES`` overrides).
+TRACE_DIR = Path(os.environ.get(
+    "KVGATE_TRACES", Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake"))
 CALIBRATION = ("engines/sim timing: H100 80GB, Llama-3.1-8B-shaped, transformers + SDPA, batch 1 "
-               "(/work/shared/design/H100_TIMING.md; docs/simulator.md)")
+               "(shared/design/H100_TIMING.md; docs/simulator.md)")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

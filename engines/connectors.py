@@ -1,7 +1,7 @@
 """KV-transfer connectors for prefill/decode disaggregation (``kvgate.connectors`` entry points).
 
 Each one shapes the two hops of a disaggregated request for one engine protocol; the gateway
-(``middleware/disagg.py``) does the I/O. Wire facts: ``/work/shared/design/PROTOCOLS.md``.
+(``middleware/disagg.py``) does the I/O. Wire facts: ``../shared/design/PROTOCOLS.md``.
 
 ``vllm-nixl`` (sequential) — vLLM's NixlConnector
     Hop 1 to the prefill engine: the client's request with ``stream: false``, ``max_tokens: 1``
