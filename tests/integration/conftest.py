@@ -15,6 +15,7 @@ from engines.sim.config import SimConfig
 from engines.sim.testing import RunningSim, serve_sim
 from middleware.app import KvgateApp, create_app
 from middleware.config import parse_config
+from tests.servers import serve_asgi
 
 FAST_POOL = {"health_interval_s": 0.1, "metrics_interval_s": 0.1, "health_timeout_s": 1.0,
              "unhealthy_after": 1}
@@ -70,25 +71,6 @@ async def gw(fleet: list[RunningSim]) -> AsyncIterator[tuple[KvgateApp, httpx.As
 @contextlib.asynccontextmanager
 async def serve_gateway(data: dict[str, Any]) -> AsyncIterator[tuple[KvgateApp, str]]:
     """The gateway served by uvicorn on a free loopback port in this event loop."""
-    import asyncio
-    import socket
-
-    import uvicorn
-
     app = create_app(parse_config(data, "test"))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    sock.setblocking(False)
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning",
-                                           http="httptools"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.01)
-    try:
-        yield app, f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        await task
+    async with serve_asgi(app) as url:
+        yield app, url

@@ -21,16 +21,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from tests.servers import serve_asgi
 
 ANSWER = "the quick brown fox jumps"
 #: Most request bodies (oldest dropped) and cached prefixes (all dropped) a fake remembers.
@@ -279,20 +279,5 @@ def anthropic_app(fake: FakeProvider) -> Starlette:
 @contextlib.asynccontextmanager
 async def serve(app: Starlette) -> AsyncIterator[str]:
     """Serve ``app`` with uvicorn on a free loopback port in this loop; yields its base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    sock.setblocking(False)
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning",
-                                           access_log=False, http="httptools"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.005)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
+    async with serve_asgi(app, lifespan="off") as url:
+        yield url

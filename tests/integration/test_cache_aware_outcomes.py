@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from engines.sim.demo import cache_aware_config, free_port, sim_config
 from engines.sim.testing import RunningSim, serve_sim
@@ -23,6 +21,7 @@ from middleware.plugin import Plugin, UsageHook
 from middleware.registry import Registry
 from middleware.types import CycleState, Endpoint, InferenceRequest, Usage
 from plugins.token_load import EngineLoad, TokenLoadScorer
+from tests.servers import serve_asgi
 
 CHAT = {"model": "sim-model", "max_tokens": 6, "ignore_eos": True,
         "messages": [{"role": "user", "content": "tell me about rivers " * 40}]}
@@ -58,22 +57,8 @@ async def _stack(
         sims = [await stack.enter_async_context(serve_sim(sim_config(i, events, 0.0)))
                 for i in range(2)]
         app = _app([s.url for s in sims], events, failing_usage_hook)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(64)
-        sock.setblocking(False)
-        server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning",
-                                               http="httptools"))
-        task = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.01)
-        try:
-            yield sims, app, f"http://127.0.0.1:{sock.getsockname()[1]}"
-        finally:
-            server.should_exit = True
-            await task
+        url = await stack.enter_async_context(serve_asgi(app))
+        yield sims, app, url
 
 
 async def _until(predicate: Callable[[], bool], limit_s: float = 5.0) -> None:
