@@ -12,12 +12,10 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
-import httpx
 import pytest
 
 from pricing.backends import open_backend
@@ -29,41 +27,19 @@ from tests.integration.billing_helpers import (
     long_chat,
     write_keys,
 )
-from tests.pg_server import free_port
+from tests.servers import free_port, running_process
 
 KVGATE = str(Path(sys.executable).with_name("kvgate"))
 WORKERS = 16  # concurrent clients
 LOAD_S = 1.5  # load before the kill
 
 
-def _wait_health(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"exited {proc.returncode}: {log.read_text()[-3000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        time.sleep(0.05)
-    raise AssertionError(f"{url} not healthy: {log.read_text()[-3000:]}")
-
-
 @contextlib.contextmanager
 def _process(args: list[str], port: int, log: Path, cwd: Path) -> Iterator[
         subprocess.Popen[bytes]]:
-    with log.open("ab") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=cwd)
-    try:
-        _wait_health(f"http://127.0.0.1:{port}", proc, log)
+    with running_process(args, f"http://127.0.0.1:{port}/health", log=log, cwd=cwd,
+                         limit_s=30, stop_s=15) as proc:
         yield proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 async def _client(url: str, keys: Keys, worker: int, done: set[str],

@@ -3,11 +3,8 @@ real ``openai`` client; ``kvgate demo``; config errors at startup."""
 
 from __future__ import annotations
 
-import contextlib
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,50 +12,18 @@ import httpx
 import openai
 import pytest
 
+from tests.servers import free_port, running_process
+
 KVGATE = str(Path(sys.executable).with_name("kvgate"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_http(url: str, proc: subprocess.Popen[bytes], limit_s: float = 20.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            out = proc.stdout.read().decode() if proc.stdout else ""
-            raise AssertionError(f"process exited with {proc.returncode}: {out[-2000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        time.sleep(0.1)
-    raise AssertionError(f"{url} not ready after {limit_s} s")
-
-
-@contextlib.contextmanager
-def _process(args: list[str], ready_url: str) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        _wait_http(ready_url, proc)
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[str]:
-    sim_port, gw_port = _free_port(), _free_port()
+    sim_port, gw_port = free_port(), free_port()
     sim = [sys.executable, "-m", "engines.sim", "--port", str(sim_port), "--time-scale", "0"]
     gw = [KVGATE, "serve", "--engine", f"http://127.0.0.1:{sim_port}", "--port", str(gw_port)]
-    with _process(sim, f"http://127.0.0.1:{sim_port}/health"), \
-            _process(gw, f"http://127.0.0.1:{gw_port}/health"):
+    with running_process(sim, f"http://127.0.0.1:{sim_port}/health"), \
+            running_process(gw, f"http://127.0.0.1:{gw_port}/health"):
         yield f"http://127.0.0.1:{gw_port}/v1"
 
 
@@ -96,10 +61,10 @@ def test_openai_client_errors(served: str, kwargs: dict[str, object],
 
 
 def test_demo_runs_and_serves() -> None:
-    port = _free_port()
+    port = free_port()
     args = [KVGATE, "demo", "--port", str(port), "--engines", "2", "--time-scale", "0",
             "--duration", "30"]
-    with _process(args, f"http://127.0.0.1:{port}/health") as proc:
+    with running_process(args, f"http://127.0.0.1:{port}/health") as proc:
         resp = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={
             "model": "sim-model", "max_tokens": 3, "messages": [{"role": "user", "content": "x"}]})
         assert resp.status_code == 200
