@@ -18,13 +18,14 @@ import glob
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.servers import free_port
 
 
 def _pg_bin() -> Path | None:
@@ -35,13 +36,6 @@ def _pg_bin() -> Path | None:
         if (Path(c).parent / "initdb").exists():
             return Path(c).parent
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class PgServer:

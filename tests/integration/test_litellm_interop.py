@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import secrets
-import socket
 from asyncio.subprocess import Process
 from collections.abc import AsyncIterator, Iterator
 from decimal import Decimal
@@ -31,6 +30,7 @@ from pricing.prices import load_book, to_litellm
 from tests.integration.billing_helpers import ledger_rows
 from tests.integration.conftest import gateway_config, serve_gateway, sim_fleet
 from tests.litellm_proxy_venv import ensure_proxy_venv
+from tests.servers import free_port
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
@@ -147,12 +147,6 @@ async def test_proxy_config_example_with_litellm_router(tmp_path: Path,
 PROXY_BOOT_S = 240.0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 async def _wait_ready(client: httpx.AsyncClient, url: str, proc: Process) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + PROXY_BOOT_S
@@ -181,7 +175,7 @@ async def test_litellm_proxy_with_example_config(tmp_path: Path, proxy_exe: Path
     exe = proxy_exe
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "yo"}]
     async with _kvgate(tmp_path) as (app, url, key), httpx.AsyncClient(timeout=60) as client:
-        port = _free_port()
+        port = free_port()
         master = "sk-" + secrets.token_hex(32)
         env = {**os.environ, "KVGATE_API_BASE": f"{url}/v1", "KVGATE_API_KEY": key,
                "LITELLM_MASTER_KEY": master, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}

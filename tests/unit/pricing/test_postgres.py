@@ -15,7 +15,8 @@ import pytest
 from pricing.backends import LedgerUnavailable, open_backend
 from pricing.ledger import Ledger
 from pricing.records import LedgerRecord
-from tests.pg_server import PgServer, free_port, pg_server
+from tests.pg_server import PgServer, pg_server
+from tests.servers import free_port
 from tests.unit.pricing.helpers import T0, random_records, record
 from tests.unit.pricing.test_cli import _run
 from tests.unit.pricing.test_usage_api import check_backend_agrees

@@ -19,6 +19,7 @@ import pytest
 
 from middleware.types import CycleState, Endpoint, RoutingDecision
 from plugins.session_affinity import SessionAffinityScorer, hrw_order, session_key
+from tests.servers import free_port
 from tests.unit.routing_load.helpers import FakeClock, ep, fleet, req, session_scorer
 
 #: Bound on one Redis call against the live test server: generous, because CI machines are
@@ -32,13 +33,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 SES = "ses_table_test"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class RedisServer:
@@ -82,7 +76,7 @@ class RedisServer:
 
 @pytest.fixture
 def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer(_free_port())
+    server = RedisServer(free_port())
     server.start()
     try:
         yield server
@@ -208,7 +202,7 @@ async def test_failover_when_redis_stops_and_recovery(
 
 
 async def test_unreachable_redis_never_fails_requests() -> None:
-    plugin = session_scorer(redis_url=f"redis://127.0.0.1:{_free_port()}/0")
+    plugin = session_scorer(redis_url=f"redis://127.0.0.1:{free_port()}/0")
     await plugin.start()
     try:
         assert await _route(plugin, fleet(3)) == _ranked(3)[0]
