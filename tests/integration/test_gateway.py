@@ -14,20 +14,12 @@ import pytest
 from engines.sim.faults import FaultSpec
 from engines.sim.testing import RunningSim
 from middleware.app import KvgateApp
+from tests.integration.billing_helpers import sse_events
 from tests.integration.conftest import gateway, gateway_config, sim_fleet
 
 Gw = tuple[KvgateApp, httpx.AsyncClient]
 CHAT: dict[str, Any] = {"model": "sim-model", "max_tokens": 5,
                         "messages": [{"role": "user", "content": "hello there"}]}
-
-
-def _sse_events(text: str) -> list[Any]:
-    out: list[Any] = []
-    for block in text.split("\n\n"):
-        if block.startswith("data: "):
-            data = block[6:]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 def _in_flight(app: KvgateApp) -> list[int]:
@@ -67,7 +59,7 @@ async def test_streaming_usage_chunk(gw: Gw, include_usage: bool, api: str) -> N
                              json=body)
     assert resp.status_code == 200
     assert resp.headers["content-type"].startswith("text/event-stream")
-    events = _sse_events(resp.text)
+    events = sse_events(resp.text)
     assert events[-1] == "[DONE]"
     usage_chunks = [e for e in events[:-1] if e.get("usage")]
     assert len(usage_chunks) == (1 if include_usage else 0)
@@ -214,12 +206,12 @@ async def test_engine_dies_mid_stream(fleet: list[RunningSim]) -> None:
         body = {**CHAT, "max_tokens": 20, "stream": True}
         resp = await client.post("/v1/chat/completions", json=body)
         assert resp.status_code == 200
-        events = _sse_events(resp.text)
+        events = sse_events(resp.text)
         assert "[DONE]" not in events
         assert events[-1]["error"]["code"] == "upstream_error"
         assert len(events) == 3
         ok = await client.post("/v1/chat/completions", json=body)
-        assert _sse_events(ok.text)[-1] == "[DONE]"
+        assert sse_events(ok.text)[-1] == "[DONE]"
         assert 'stage="mid_stream"' in (await client.get("/metrics")).text
         assert _in_flight(app) == [0, 0]
 
