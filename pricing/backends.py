@@ -96,6 +96,14 @@ def create_table_sql(dialect: str) -> list[str]:
             f"CREATE INDEX IF NOT EXISTS {TABLE}_ts ON {TABLE} (ts)"]
 
 
+def select_sql(mark: str, limit: bool = False) -> str:
+    """Every column of the records with ``since <= ts < until`` in (ts, request_id) order (both
+    dialects), placeholders ``mark``; with ``limit``, a third placeholder bounds the count."""
+    sql = (f"SELECT {', '.join(COLUMNS)} FROM {TABLE} WHERE ts >= {mark} AND ts < {mark} "
+           "ORDER BY ts, request_id")
+    return f"{sql} LIMIT {mark}" if limit else sql
+
+
 def upsert_sql(mark: str) -> str:
     """``INSERT ... ON CONFLICT (request_id) DO UPDATE`` (both dialects), placeholders ``mark``."""
     updates = ", ".join(f"{c} = excluded.{c}" for c in COLUMNS[1:])

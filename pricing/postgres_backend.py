@@ -22,6 +22,7 @@ from pricing.backends import (
     LedgerRejected,
     LedgerUnavailable,
     create_table_sql,
+    select_sql,
     upsert_sql,
     usage_row,
     usage_sql,
@@ -85,16 +86,14 @@ class PostgresBackend:
 
     def query(self, since: dt.datetime, until: dt.datetime,
               limit: int | None = None) -> list[LedgerRecord]:
-        sql = (f"SELECT {', '.join(COLUMNS)} FROM {TABLE} WHERE ts >= %s AND ts < %s "
-               "ORDER BY ts, request_id LIMIT %s")
+        sql = select_sql("%s", limit=True)
         rows = self._run(lambda db: db.execute(sql, (since, until, limit)).fetchall())
         return [_from_row(r) for r in rows]
 
     def iter_records(self, since: dt.datetime, until: dt.datetime,
                      batch: int = 1000) -> Iterator[LedgerRecord]:
         """Streams through a server-side cursor on its own connection."""
-        sql = (f"SELECT {', '.join(COLUMNS)} FROM {TABLE} WHERE ts >= %s AND ts < %s "
-               "ORDER BY ts, request_id")
+        sql = select_sql("%s")
         try:
             db = self._connect(autocommit=False)
         except psycopg.Error as exc:

@@ -23,6 +23,7 @@ from pricing.backends import (
     LedgerRejected,
     LedgerUnavailable,
     create_table_sql,
+    select_sql,
     upsert_sql,
     usage_row,
     usage_sql,
@@ -135,8 +136,7 @@ class SqliteBackend:
 
     def query(self, since: dt.datetime, until: dt.datetime,
               limit: int | None = None) -> list[LedgerRecord]:
-        sql = (f"SELECT {', '.join(COLUMNS)} FROM {TABLE} WHERE ts >= ? AND ts < ? "
-               f"ORDER BY ts, request_id LIMIT ?")
+        sql = select_sql("?", limit=True)
         args = (to_us(since), to_us(until), -1 if limit is None else limit)
         rows = self._run(lambda db: db.execute(sql, args).fetchall())
         return [_from_row(r) for r in rows]
@@ -150,9 +150,7 @@ class SqliteBackend:
         except sqlite3.Error as exc:
             raise LedgerUnavailable(f"sqlite: {exc}") from exc
         try:
-            cur = db.execute(f"SELECT {', '.join(COLUMNS)} FROM {TABLE} WHERE ts >= ? "
-                             "AND ts < ? ORDER BY ts, request_id",
-                             (to_us(since), to_us(until)))
+            cur = db.execute(select_sql("?"), (to_us(since), to_us(until)))
             while rows := cur.fetchmany(batch):
                 yield from (_from_row(r) for r in rows)
         except sqlite3.Error as exc:
