@@ -4,7 +4,6 @@ use (minutes on a fresh machine, reused afterwards); two engines start once per 
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import sys
 import time
@@ -17,16 +16,22 @@ import pytest
 import yaml
 
 from engines.local.fleet import start_fleet
-from engines.local.launcher import LocalEngine, stop
+from engines.local.launcher import LocalEngine, free_port, stop
 from engines.local.model import ensure_model
 
 KVGATE = str(Path(sys.executable).with_name("kvgate"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def precise_plugins(events_port: int, model_dir: Path) -> list[dict[str, Any]]:
+    """The tokenizer (the model's own), the KV-event listener bound to ``events_port`` and the
+    precise prefix-cache producer: what a profile scoring on the fleet's real caches needs."""
+    return [
+        {"type": "tokenizer",
+         "params": {"tokenizer": {"kind": "hf", "model_dir": str(model_dir)}}},
+        {"type": "kv-events",
+         "params": {"bind": f"tcp://127.0.0.1:{events_port}", "connect": False}},
+        {"type": "prefix-cache-producer", "params": {"mode": "precise"}},
+    ]
 
 
 @pytest.fixture(scope="session")

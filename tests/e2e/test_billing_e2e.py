@@ -21,7 +21,7 @@ from engines.local.launcher import LocalEngine
 from engines.local.model import SERVED_NAME
 from pricing.backends import open_backend
 from pricing.records import LedgerRecord
-from tests.e2e.conftest import KVGATE, kvgate_serve
+from tests.e2e.conftest import KVGATE, kvgate_serve, precise_plugins
 from tests.integration.billing_helpers import ALL, Keys, expected_cost, sse_events, write_keys
 
 pytestmark = pytest.mark.e2e
@@ -49,11 +49,7 @@ def _config(engines: list[LocalEngine], events_port: int, model_dir: Path, tmp: 
             {"type": "billing", "params": {
                 "prices": str(_prices(tmp)), "ledger": f"sqlite://{tmp}/ledger.sqlite",
                 "spool": str(tmp / "spool")}},
-            {"type": "tokenizer",
-             "params": {"tokenizer": {"kind": "hf", "model_dir": str(model_dir)}}},
-            {"type": "kv-events",
-             "params": {"bind": f"tcp://127.0.0.1:{events_port}", "connect": False}},
-            {"type": "prefix-cache-producer", "params": {"mode": "precise"}},
+            *precise_plugins(events_port, model_dir),
             {"type": "health-filter"}, {"type": "model-filter"}, {"type": "token-load-scorer"},
             {"type": "prefix-cache-scorer"}, {"type": "max-score-picker"},
         ],

@@ -18,7 +18,7 @@ import pytest
 
 from engines.local.launcher import LocalEngine, stop
 from engines.local.model import SERVED_NAME
-from tests.e2e.conftest import kvgate_serve
+from tests.e2e.conftest import kvgate_serve, precise_plugins
 
 pytestmark = pytest.mark.e2e
 EXTRA = {"ignore_eos": True}
@@ -30,11 +30,7 @@ def _config(engines: list[LocalEngine], events_port: int, model_dir: Path) -> di
         "pool": {"health_interval_s": 0.5, "metrics_interval_s": 0.5, "unhealthy_after": 1},
         "engines": [{"name": e.name, "url": e.url} for e in engines],
         "plugins": [
-            {"type": "tokenizer",
-             "params": {"tokenizer": {"kind": "hf", "model_dir": str(model_dir)}}},
-            {"type": "kv-events",
-             "params": {"bind": f"tcp://127.0.0.1:{events_port}", "connect": False}},
-            {"type": "prefix-cache-producer", "params": {"mode": "precise"}},
+            *precise_plugins(events_port, model_dir),
             {"type": "health-filter"}, {"type": "model-filter"}, {"type": "token-load-scorer"},
             {"type": "prefix-cache-scorer"}, {"type": "session-affinity-scorer"},
             {"type": "max-score-picker"},
