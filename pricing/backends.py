@@ -19,9 +19,10 @@ ledger retries record by record and quarantines the culprit).
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from decimal import Decimal
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 from pricing.records import COLUMNS, DECIMAL_FIELDS, LedgerRecord
@@ -63,6 +64,54 @@ class LedgerBackend(Protocol):
         """Total ``cost_total`` per ``key_id`` (for budgets)."""
 
     def close(self) -> None: ...
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+C = TypeVar("C", bound=_Closable)
+E = TypeVar("E", bound=Exception)
+T = TypeVar("T")
+
+
+class LazyConnection(Generic[C, E]):
+    """The one connection of a backend: opened by ``connect`` on first use and used under a lock
+    (backends are called from worker threads). A driver error (an ``error``) is raised as
+    ``classify(error)``; when that is :class:`LedgerUnavailable` the connection is also dropped,
+    so the next call reconnects. ``chain``: keep the driver error as the ``__cause__`` (off where
+    its text may carry a secret, such as a URL with a password)."""
+
+    def __init__(self, connect: Callable[[], C], error: type[E],
+                 classify: Callable[[E], Exception], chain: bool) -> None:
+        self._connect = connect
+        self._error = error
+        self._classify = classify
+        self._chain = chain
+        self._lock = threading.Lock()
+        self._db: C | None = None
+
+    def run(self, work: Callable[[C], T]) -> T:
+        """``work(connection)`` under the lock, errors mapped (and the connection dropped)."""
+        with self._lock:
+            try:
+                if self._db is None:
+                    self._db = self._connect()
+                return work(self._db)
+            except self._error as exc:
+                mapped = self._classify(exc)
+                if isinstance(mapped, LedgerUnavailable):
+                    self._drop()
+                raise mapped from (exc if self._chain else None)
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
 
 
 def column_types(dialect: str) -> list[tuple[str, str]]:

@@ -10,15 +10,15 @@ the URL (it may hold a password).
 from __future__ import annotations
 
 import datetime as dt
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from decimal import Decimal
-from typing import Any, TypeVar
+from typing import Any
 
 import psycopg
 
 from pricing.backends import (
     TABLE,
+    LazyConnection,
     LedgerRejected,
     LedgerUnavailable,
     create_table_sql,
@@ -30,7 +30,6 @@ from pricing.backends import (
 from pricing.records import COLUMNS, LedgerRecord
 from pricing.usage_api import UsageQuery, UsageRow
 
-T = TypeVar("T")
 Conn = psycopg.Connection[tuple[Any, ...]]
 
 
@@ -51,29 +50,17 @@ class PostgresBackend:
     def __init__(self, url: str, connect_timeout_s: float = 5.0) -> None:
         self._url = url
         self.connect_timeout_s = connect_timeout_s
-        self._lock = threading.Lock()
-        self._db: Conn | None = None
+        self._conn = LazyConnection(self._open, psycopg.Error, _classify, chain=False)
 
     def _connect(self, autocommit: bool = True) -> Conn:
         return psycopg.connect(self._url, autocommit=autocommit,
                                connect_timeout=max(1, round(self.connect_timeout_s)))
 
-    def _run(self, work: Callable[[Conn], T]) -> T:
-        """Run ``work(connection)`` under the lock, mapping errors (and reconnecting)."""
-        with self._lock:
-            try:
-                if self._db is None:
-                    db = self._connect()
-                    for sql in create_table_sql("postgresql"):
-                        db.execute(sql)
-                    self._db = db
-                return work(self._db)
-            except psycopg.Error as exc:
-                mapped = _classify(exc)
-                if isinstance(mapped, LedgerUnavailable) and self._db is not None:
-                    self._db.close()
-                    self._db = None
-                raise mapped from None
+    def _open(self) -> Conn:
+        db = self._connect()
+        for sql in create_table_sql("postgresql"):
+            db.execute(sql)
+        return db
 
     def write(self, records: Sequence[LedgerRecord]) -> None:
         rows = [tuple(getattr(r, c) for c in COLUMNS) for r in records]
@@ -82,12 +69,12 @@ class PostgresBackend:
             with db.transaction(), db.cursor() as cur:
                 cur.executemany(upsert_sql("%s"), rows)
 
-        self._run(work)
+        self._conn.run(work)
 
     def query(self, since: dt.datetime, until: dt.datetime,
               limit: int | None = None) -> list[LedgerRecord]:
         sql = select_sql("%s", limit=True)
-        rows = self._run(lambda db: db.execute(sql, (since, until, limit)).fetchall())
+        rows = self._conn.run(lambda db: db.execute(sql, (since, until, limit)).fetchall())
         return [_from_row(r) for r in rows]
 
     def iter_records(self, since: dt.datetime, until: dt.datetime,
@@ -112,20 +99,17 @@ class PostgresBackend:
         bucket = f"(floor(extract(epoch from ts) / {q.width_s}) * {q.width_s})::bigint"
         sql, params = usage_sql(q, bucket, "SUM", "%s")
         args = [_at(start), _at(end), *params]
-        rows = self._run(lambda db: db.execute(sql, args).fetchall())
+        rows = self._conn.run(lambda db: db.execute(sql, args).fetchall())
         return [usage_row(r) for r in rows]
 
     def spend_by_key(self, since: dt.datetime | None = None) -> dict[str, Decimal]:
         sql = f"SELECT key_id, SUM(cost_total) FROM {TABLE} WHERE ts >= %s GROUP BY key_id"
         start = since if since is not None else _at(0)
-        rows = self._run(lambda db: db.execute(sql, (start,)).fetchall())
+        rows = self._conn.run(lambda db: db.execute(sql, (start,)).fetchall())
         return {str(k): Decimal(str(v)) for k, v in rows}
 
     def close(self) -> None:
-        with self._lock:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
+        self._conn.close()
 
 
 def _at(seconds: int) -> dt.datetime:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime as dt
 import sqlite3
-import threading
 from collections.abc import Iterator, Sequence
 from decimal import Decimal
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any, cast
 from pricing.backends import (
     EPOCH,
     TABLE,
+    LazyConnection,
     LedgerRejected,
     LedgerUnavailable,
     create_table_sql,
@@ -87,8 +87,7 @@ class SqliteBackend:
     def __init__(self, path: str, busy_timeout_s: float = 5.0) -> None:
         self.path = path
         self.busy_timeout_s = busy_timeout_s
-        self._lock = threading.Lock()
-        self._db: sqlite3.Connection | None = None
+        self._conn = LazyConnection(self._connect, sqlite3.Error, _classify, chain=True)
 
     def _connect(self) -> sqlite3.Connection:
         Path(self.path).parent.mkdir(parents=True, exist_ok=True)
@@ -105,20 +104,6 @@ class SqliteBackend:
             raise
         return db
 
-    def _run(self, work: Any) -> Any:
-        """Run ``work(connection)`` under the lock, mapping errors (and reconnecting)."""
-        with self._lock:
-            try:
-                if self._db is None:
-                    self._db = self._connect()
-                return work(self._db)
-            except sqlite3.Error as exc:
-                mapped = _classify(exc)
-                if isinstance(mapped, LedgerUnavailable) and self._db is not None:
-                    self._db.close()
-                    self._db = None
-                raise mapped from exc
-
     def write(self, records: Sequence[LedgerRecord]) -> None:
         rows = [_to_row(r) for r in records]
 
@@ -132,13 +117,13 @@ class SqliteBackend:
                     db.execute("ROLLBACK")
                 raise
 
-        self._run(work)
+        self._conn.run(work)
 
     def query(self, since: dt.datetime, until: dt.datetime,
               limit: int | None = None) -> list[LedgerRecord]:
         sql = select_sql("?", limit=True)
         args = (to_us(since), to_us(until), -1 if limit is None else limit)
-        rows = self._run(lambda db: db.execute(sql, args).fetchall())
+        rows = self._conn.run(lambda db: db.execute(sql, args).fetchall())
         return [_from_row(r) for r in rows]
 
     def iter_records(self, since: dt.datetime, until: dt.datetime,
@@ -162,17 +147,14 @@ class SqliteBackend:
         width_us = q.width_s * 1_000_000
         sql, params = usage_sql(q, f"(ts / {width_us}) * {q.width_s}", "decsum", "?")
         args = [start * 1_000_000, end * 1_000_000, *params]
-        rows = self._run(lambda db: db.execute(sql, args).fetchall())
+        rows = self._conn.run(lambda db: db.execute(sql, args).fetchall())
         return [usage_row(r) for r in rows]
 
     def spend_by_key(self, since: dt.datetime | None = None) -> dict[str, Decimal]:
         sql = f"SELECT key_id, decsum(cost_total) FROM {TABLE} WHERE ts >= ? GROUP BY key_id"
         start = 0 if since is None else to_us(since)
-        rows = self._run(lambda db: db.execute(sql, (start,)).fetchall())
+        rows = self._conn.run(lambda db: db.execute(sql, (start,)).fetchall())
         return {str(k): Decimal(v) for k, v in rows}
 
     def close(self) -> None:
-        with self._lock:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
+        self._conn.close()
