@@ -151,25 +151,25 @@ async def loop_blocked_us(spec: TokenizerSpec, msgs: Messages, offload: bool,
         for _ in range(repeats):
             req = parse_request(Api.CHAT, body, {}, "bench")
             state = CycleState()
-            stalls.append(await _max_stall(plugin.prepare(req, state, [])))
+            stalls.append((await loop_ticks_while(plugin.prepare(req, state, [])))[1])
             assert state.get(TOKEN_IDS)
     finally:
         await plugin.stop()
     return statistics.median(stalls) * 1e6
 
 
-async def _max_stall(work: Awaitable[None]) -> float:
-    longest = 0.0
-    done = False
+async def loop_ticks_while(work: Awaitable[Any]) -> tuple[int, float]:
+    """(wake-ups of a ticker task, its longest gap in s) while ``work`` is awaited: how long
+    the event loop was kept from running other tasks."""
+    ticks, longest, done = 0, 0.0, False
 
     async def ticker() -> None:
-        nonlocal longest
+        nonlocal ticks, longest
         last = time.perf_counter()
         while not done:
             await asyncio.sleep(0)
             now = time.perf_counter()
-            longest = max(longest, now - last)
-            last = now
+            ticks, longest, last = ticks + 1, max(longest, now - last), now
 
     task = asyncio.create_task(ticker())
     await asyncio.sleep(0)
@@ -178,7 +178,7 @@ async def _max_stall(work: Awaitable[None]) -> float:
     finally:
         done = True
         await task
-    return longest
+    return ticks, longest
 
 
 def bench_backend(name: str, spec: TokenizerSpec, text: str, tokens: int,

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer as HfTokenizer
 
+from bench.tokenization import loop_ticks_while
 from engines.sim import tokenizer as sim_tokenizer
 from middleware.errors import ConfigError
 from middleware.types import Api, CycleState, InferenceRequest
@@ -356,28 +357,6 @@ def test_module_found_through_the_entry_point_group(monkeypatch: pytest.MonkeyPa
     assert "<|eot_id|>" in backend.boundaries
 
 
-async def _loop_ticks_while(work: Any) -> tuple[int, float]:
-    """(wake-ups of a ticker task, its longest gap in s) while ``work`` is awaited."""
-    ticks, longest, done = 0, 0.0, False
-
-    async def ticker() -> None:
-        nonlocal ticks, longest
-        last = time.perf_counter()
-        while not done:
-            await asyncio.sleep(0)
-            now = time.perf_counter()
-            ticks, longest, last = ticks + 1, max(longest, now - last), now
-
-    task = asyncio.create_task(ticker())
-    await asyncio.sleep(0)
-    try:
-        await work
-    finally:
-        done = True
-        await task
-    return ticks, longest
-
-
 async def test_offloaded_hf_tokenization_leaves_the_event_loop_running(tmp_path: Path) -> None:
     """Regression: ``tokenizers``' ``encode`` holds the GIL for the whole call, so a prompt
     tokenized on the pool still froze the event loop; the backend uses ``encode_batch``, which
@@ -389,6 +368,6 @@ async def test_offloaded_hf_tokenization_leaves_the_event_loop_running(tmp_path:
     inline_s = time.perf_counter() - t0
     assert whole == HfTokenizer.from_file(str(tmp_path / "gil" / "tokenizer.json")).encode(
         text, add_special_tokens=False).ids
-    ticks, longest = await _loop_ticks_while(asyncio.to_thread(backend.encode, text, False))
+    ticks, longest = await loop_ticks_while(asyncio.to_thread(backend.encode, text, False))
     assert inline_s > 0.02  # enough work to see the loop run beside it
     assert ticks > 20 and longest < inline_s / 2, (ticks, longest, inline_s)
