@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import pytest
-from pydantic import BaseModel
 
 from middleware.errors import NoEndpointAvailable
-from middleware.plugin import Plugin
 from middleware.scheduler import Profile, Scheduler, WeightedScorer
 from middleware.types import Api, CycleState, Endpoint, InferenceRequest, Role
 from plugins.filters import HealthFilter, RoleFilter
@@ -17,16 +14,7 @@ from plugins.pd import PdProfileHandler, prefill_pays
 from plugins.pickers import MaxScorePicker
 from plugins.scorers import LeastInFlightScorer
 from plugins.state import PREFIX_MATCH, TOKEN_IDS, PrefixMatch
-
-
-class _NoLookup:
-    def lookup(self, name: str) -> object:
-        raise KeyError(name)
-
-
-def _make(cls: type[Plugin], **params: Any) -> Any:
-    validated: BaseModel = cls.Params.model_validate(params)
-    return cls(cls.type_name, validated, _NoLookup())
+from tests.plugin_helpers import make_plugin
 
 
 def _req(estimate: int = 10) -> InferenceRequest:
@@ -37,16 +25,16 @@ def _req(estimate: int = 10) -> InferenceRequest:
 
 
 def _scheduler(min_uncached: int = 256) -> Scheduler:
-    health = _make(HealthFilter)
-    picker = _make(MaxScorePicker)
-    load = WeightedScorer("load", _make(LeastInFlightScorer), 1.0)
+    health = make_plugin(HealthFilter)
+    picker = make_plugin(MaxScorePicker)
+    load = WeightedScorer("load", make_plugin(LeastInFlightScorer), 1.0)
     profiles = {
-        "decode": Profile("decode", (("h", health), ("r", _make(RoleFilter, role="decode"))),
+        "decode": Profile("decode", (("h", health), ("r", make_plugin(RoleFilter, role="decode"))),
                           (load,), picker),
-        "prefill": Profile("prefill", (("h", health), ("r", _make(RoleFilter, role="prefill"))),
+        "prefill": Profile("prefill", (("h", health), ("r", make_plugin(RoleFilter, role="prefill"))),
                            (load,), picker),
     }
-    handler = _make(PdProfileHandler, min_uncached_tokens=min_uncached)
+    handler = make_plugin(PdProfileHandler, min_uncached_tokens=min_uncached)
     return Scheduler(profiles, handler, seed=1)
 
 

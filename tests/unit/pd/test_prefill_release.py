@@ -8,11 +8,7 @@ import pytest
 
 from middleware.types import Api, CycleState, Endpoint, InferenceRequest, Role, RoutingDecision
 from plugins.token_load import IDLE, Charge, EngineLoad, LoadTracker, TokenLoadScorer
-
-
-class _NoLookup:
-    def lookup(self, name: str) -> object:
-        raise KeyError(name)
+from tests.plugin_helpers import NoLookup
 
 
 @pytest.mark.parametrize(("charges", "endpoint", "released", "after"), [
@@ -38,7 +34,7 @@ def test_release_prefill(charges: list[Charge], endpoint: str, released: bool,
 
 
 async def test_scorer_releases_on_prefill_done() -> None:
-    scorer = TokenLoadScorer("t", TokenLoadScorer.Params(), _NoLookup())
+    scorer = TokenLoadScorer("t", TokenLoadScorer.Params(), NoLookup())
     pre = Endpoint("p", "http://p", "vllm", role=Role.PREFILL)
     dec = Endpoint("d", "http://d", "vllm", role=Role.DECODE)
     req = InferenceRequest("r", Api.CHAT, "m", {"max_tokens": 10}, {}, False, False, 500,

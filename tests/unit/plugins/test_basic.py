@@ -8,7 +8,6 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from pydantic import BaseModel
 
 from middleware.errors import NoEndpointAvailable
 from middleware.plugin import Plugin
@@ -16,16 +15,7 @@ from middleware.types import Api, CycleState, Endpoint, InferenceRequest, Role, 
 from plugins.filters import HealthFilter, ModelFilter, RoleFilter
 from plugins.pickers import MaxScorePicker, RoundRobinPicker, WeightedRandomPicker
 from plugins.scorers import LeastInFlightScorer
-
-
-class _NoLookup:
-    def lookup(self, name: str) -> object:
-        raise KeyError(name)
-
-
-def _make(cls: type[Plugin], **params: Any) -> Any:
-    validated: BaseModel = cls.Params.model_validate(params)
-    return cls(cls.type_name, validated, _NoLookup())
+from tests.plugin_helpers import make_plugin
 
 
 def _ep(i: int, **kw: Any) -> Endpoint:
@@ -61,7 +51,7 @@ FILTER_CASES = [
                          ids=[c[0] for c in FILTER_CASES])
 def test_filters(case: str, cls: type[Plugin], params: dict[str, Any], eps: list[Endpoint],
                  kept: list[str]) -> None:
-    out = _make(cls, **params).filter(_req(), CycleState(), eps)
+    out = make_plugin(cls, **params).filter(_req(), CycleState(), eps)
     assert [ep.id for ep in out] == kept
 
 
@@ -78,7 +68,7 @@ SCORER_CASES = [
 def test_least_in_flight(case: str, params: dict[str, Any], loads: list[tuple[int, int]],
                          expected: dict[str, float]) -> None:
     eps = [_ep(i, in_flight_requests=r, in_flight_tokens=t) for i, (r, t) in enumerate(loads)]
-    scores = _make(LeastInFlightScorer, **params).score(_req(), CycleState(), eps)
+    scores = make_plugin(LeastInFlightScorer, **params).score(_req(), CycleState(), eps)
     assert scores == pytest.approx(expected)
 
 
@@ -89,19 +79,19 @@ def _scored(*scores: float) -> list[ScoredEndpoint]:
 @pytest.mark.parametrize("cls", [MaxScorePicker, WeightedRandomPicker, RoundRobinPicker])
 def test_pickers_reject_empty(cls: type[Plugin]) -> None:
     with pytest.raises(NoEndpointAvailable):
-        _make(cls).pick(CycleState(), [], random.Random(0))
+        make_plugin(cls).pick(CycleState(), [], random.Random(0))
 
 
 @pytest.mark.parametrize(("scores", "first"), [((0.1, 0.9, 0.5), "e1"), ((2.0, 1.0), "e0")])
 def test_max_score_order(scores: tuple[float, ...], first: str) -> None:
-    result = _make(MaxScorePicker).pick(CycleState(), _scored(*scores), random.Random(0))
+    result = make_plugin(MaxScorePicker).pick(CycleState(), _scored(*scores), random.Random(0))
     assert result.target.id == first
     got = [ep.id for ep in result.endpoints]
     assert got == sorted(got, key=lambda i: -scores[int(i[1:])])
 
 
 def test_max_score_ties_are_seeded_and_spread() -> None:
-    picker = _make(MaxScorePicker)
+    picker = make_plugin(MaxScorePicker)
     picks = [picker.pick(CycleState(), _scored(1, 1, 1), random.Random(s)).target.id
              for s in range(300)]
     again = [picker.pick(CycleState(), _scored(1, 1, 1), random.Random(s)).target.id
@@ -111,7 +101,7 @@ def test_max_score_ties_are_seeded_and_spread() -> None:
 
 
 def test_weighted_random_follows_weights() -> None:
-    picker, rng = _make(WeightedRandomPicker), random.Random(42)
+    picker, rng = make_plugin(WeightedRandomPicker), random.Random(42)
     counts = Counter(picker.pick(CycleState(), _scored(1, 3, 0), rng).target.id
                      for _ in range(4000))
     assert counts["e2"] == 0  # zero score: only a fallback
@@ -119,14 +109,14 @@ def test_weighted_random_follows_weights() -> None:
 
 
 def test_weighted_random_all_zero_is_uniform_permutation() -> None:
-    picker, rng = _make(WeightedRandomPicker), random.Random(1)
+    picker, rng = make_plugin(WeightedRandomPicker), random.Random(1)
     results = [picker.pick(CycleState(), _scored(0, 0, 0), rng) for _ in range(900)]
     assert all(sorted(ep.id for ep in r.endpoints) == ["e0", "e1", "e2"] for r in results)
     assert all(n > 220 for n in Counter(r.target.id for r in results).values())
 
 
 def test_round_robin_rotates_fairly() -> None:
-    picker = _make(RoundRobinPicker)
+    picker = make_plugin(RoundRobinPicker)
     firsts = [picker.pick(CycleState(), list(reversed(_scored(9, 0, 5))), random.Random(0))
               .target.id for _ in range(6)]
     assert firsts == ["e0", "e1", "e2", "e0", "e1", "e2"]

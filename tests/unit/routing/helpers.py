@@ -9,13 +9,9 @@ import msgpack
 
 from middleware.types import Api, Endpoint, InferenceRequest
 from plugins.kv_events import KvEventsSubscriber
+from tests.plugin_helpers import NoLookup
 
-
-class NoLookup:
-    """A plugin lookup that knows nothing."""
-
-    def lookup(self, name: str) -> object:
-        raise KeyError(name)
+__all__ = ["NoLookup"]
 
 
 class Lookup:
