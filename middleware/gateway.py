@@ -39,7 +39,7 @@ from middleware.metrics import GatewayMetrics
 from middleware.pipeline import Pipeline
 from middleware.plan import MODEL_PLAN, PlanRunner
 from middleware.pool import EndpointPool
-from middleware.requests import parse_request, request_id
+from middleware.requests import client_request_id, new_request_id, parse_request
 from middleware.sse import SSETap
 from middleware.types import (
     RESPONSE_HEADERS,
@@ -103,12 +103,12 @@ class Gateway:
         status = 500
         model = "other"
         try:
-            rid = request_id(headers)
-            extra.append((b"x-request-id", rid.encode()))
+            rid, client_rid = new_request_id(), client_request_id(headers)
+            extra.append((b"x-request-id", (client_rid or rid).encode()))
             auth = self.pipeline.authenticator
             principal = None if auth is None else auth.authenticate(headers.get("authorization"))
             body = await read_body(receive, headers, self.config.server.max_body_bytes)
-            req = parse_request(api, body, headers, rid)
+            req = parse_request(api, body, headers, rid, client_rid)
             if principal is not None:
                 req.principal = principal
                 req.tenant, req.key_id = principal.tenant, principal.key_id

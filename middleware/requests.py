@@ -22,16 +22,26 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 BYTES_PER_TOKEN = 4
 
 
-def request_id(headers: Mapping[str, str]) -> str:
-    """The client's ``x-request-id`` if well-formed (400 otherwise), else a fresh one."""
+def client_request_id(headers: Mapping[str, str]) -> str | None:
+    """The client's ``x-request-id`` if given and well-formed (400 if malformed), else None.
+
+    It is echoed on the response and kept in the ledger as ``client_request_id``, but it never
+    identifies the request inside kvgate: clients reuse ids (retries, bugs, malice), and each
+    request that reaches an engine is billed once on its own (see :func:`new_request_id`)."""
     given = headers.get("x-request-id")
     if given is None:
-        return uuid.uuid4().hex
+        return None
     if not _REQUEST_ID.fullmatch(given):
         raise BadRequest(
             "x-request-id must be 1-128 characters of [A-Za-z0-9._:-]", param="x-request-id"
         )
     return given
+
+
+def new_request_id() -> str:
+    """kvgate's own id for one request: the ledger key and the engines' ``X-Request-Id``,
+    unique per request whatever the client sends."""
+    return uuid.uuid4().hex
 
 
 def _load(body: bytes) -> dict[str, Any]:
@@ -102,7 +112,7 @@ def _check_common(data: Mapping[str, Any]) -> tuple[str, bool, bool]:
 
 
 def parse_request(
-    api: Api, body: bytes, headers: Mapping[str, str], rid: str
+    api: Api, body: bytes, headers: Mapping[str, str], rid: str, client_rid: str | None = None
 ) -> InferenceRequest:
     """Validate the body of a chat or completions request (400 with ``param`` on problems)."""
     data = _load(body)
@@ -117,5 +127,5 @@ def parse_request(
     return InferenceRequest(
         request_id=rid, api=api, model=model, body=data, headers=forwarded, stream=stream,
         client_wants_usage=wants_usage, prompt_token_estimate=estimate,
-        received_at=time.monotonic(), raw_body=body,
+        received_at=time.monotonic(), raw_body=body, client_request_id=client_rid,
     )

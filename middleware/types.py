@@ -84,6 +84,8 @@ class InferenceRequest:
     raw_body: bytes | None = None
     #: The authenticated caller (None when no Authenticator is configured).
     principal: Principal | None = None
+    #: The client's ``x-request-id`` (None when it sent none); ``request_id`` is kvgate's own.
+    client_request_id: str | None = None
 
     def update_body(self, **fields: Any) -> None:
         """Set body fields for the engine; the body is re-serialized before dispatch."""

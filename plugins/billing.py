@@ -293,7 +293,8 @@ def _record(req: InferenceRequest, state: CycleState, target: Endpoint, outcome:
         cache_write_tokens=usage.cache_write_tokens, outcome=outcome.kind.value,
         status=_status(outcome), ttft_s=outcome.ttft_s,
         total_s=outcome.total_s, session=None if session is None else str(session),
-        priced=priced is not None and outcome.usage is not None, **money,
+        priced=priced is not None and outcome.usage is not None,
+        client_request_id=req.client_request_id, **money,
     )
 
 

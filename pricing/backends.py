@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from decimal import Decimal
 from typing import Generic, Protocol, TypeVar
 from urllib.parse import urlsplit
@@ -32,7 +32,11 @@ TABLE = "kvgate_usage"
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _INTS = {"prompt_tokens", "completion_tokens", "cached_tokens", "status", "cache_write_tokens"}
 _FLOATS = {"ttft_s", "total_s"}
-_NULLABLE = {"cached_tokens", "ttft_s", "total_s", "session", "prefill_engine"}
+_NULLABLE = {"cached_tokens", "ttft_s", "total_s", "session", "prefill_engine",
+             "client_request_id"}
+#: Columns added after the ledger's first schema (all nullable): :func:`add_columns_sql` adds
+#: them to an existing table in place, so upgrading kvgate needs no manual migration.
+ADDED_COLUMNS = ("client_request_id",)
 
 
 class LedgerUnavailable(Exception):
@@ -143,6 +147,18 @@ def create_table_sql(dialect: str) -> list[str]:
     cols = ", ".join(f"{n} {t}" for n, t in column_types(dialect))
     return [f"CREATE TABLE IF NOT EXISTS {TABLE} ({cols})",
             f"CREATE INDEX IF NOT EXISTS {TABLE}_ts ON {TABLE} (ts)"]
+
+
+def add_columns_sql(dialect: str, existing: Collection[str] = ()) -> list[str]:
+    """``ALTER TABLE`` statements adding the :data:`ADDED_COLUMNS` an older table lacks.
+    PostgreSQL: ``IF NOT EXISTS`` (replicas may race); SQLite lacks that, so the caller passes the
+    table's ``existing`` columns and gets only the missing ones."""
+    types = dict(column_types(dialect))
+    if dialect == "postgresql":
+        return [f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS {n} {types[n]}"
+                for n in ADDED_COLUMNS]
+    return [f"ALTER TABLE {TABLE} ADD COLUMN {n} {types[n]}"
+            for n in ADDED_COLUMNS if n not in existing]
 
 
 def select_sql(mark: str, limit: bool = False) -> str:

@@ -21,6 +21,7 @@ from pricing.backends import (
     LazyConnection,
     LedgerRejected,
     LedgerUnavailable,
+    add_columns_sql,
     create_table_sql,
     select_sql,
     upsert_sql,
@@ -58,7 +59,7 @@ class PostgresBackend:
 
     def _open(self) -> Conn:
         db = self._connect()
-        for sql in create_table_sql("postgresql"):
+        for sql in [*create_table_sql("postgresql"), *add_columns_sql("postgresql")]:
             db.execute(sql)
         return db
 

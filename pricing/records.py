@@ -58,6 +58,9 @@ class LedgerRecord:
     prefill_engine: str | None = None
     priced: bool = True
     cache_write_tokens: int = 0
+    #: The client's ``x-request-id``, if it sent one. ``request_id`` is kvgate's own and unique
+    #: per request, so a client that reuses an id gets one record (and one bill) per request.
+    client_request_id: str | None = None
 
     def __post_init__(self) -> None:
         if not self.request_id:

@@ -22,6 +22,7 @@ from pricing.backends import (
     LazyConnection,
     LedgerRejected,
     LedgerUnavailable,
+    add_columns_sql,
     create_table_sql,
     select_sql,
     upsert_sql,
@@ -97,6 +98,9 @@ class SqliteBackend:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=FULL")
             for sql in create_table_sql("sqlite"):
+                db.execute(sql)
+            existing = {row[1] for row in db.execute(f"PRAGMA table_info({TABLE})")}
+            for sql in add_columns_sql("sqlite", existing):
                 db.execute(sql)
             db.create_aggregate("decsum", 1, cast(Any, _DecimalSum))  # typeshed: int-only
         except sqlite3.Error:

@@ -116,7 +116,7 @@ def test_multi_turn_session_is_billed_with_reported_cached_tokens(
     page = _usage_api(url, keys, len(TURNS))
     backend = open_backend(f"sqlite://{tmp}/ledger.sqlite")
     try:
-        rows = {r.request_id: r for r in backend.query(*ALL)}
+        rows = {str(r.client_request_id): r for r in backend.query(*ALL)}
     finally:
         backend.close()
     assert sorted(rows) == [f"turn-{i}" for i in range(len(TURNS))]
@@ -171,10 +171,10 @@ def _check_export(tmp: Path, fmt: str, rows: dict[str, LedgerRecord]) -> None:
                     "--out", str(out)], check=True, capture_output=True, timeout=60)
     lines = out.read_text().splitlines()
     if fmt == "jsonl":
-        got = {r.request_id: r for r in map(LedgerRecord.from_json, lines)}
+        got = {str(r.client_request_id): r for r in map(LedgerRecord.from_json, lines)}
         assert got == rows
         return
-    exported = {e["request_id"]: e for e in csv.DictReader(lines)}
+    exported = {e["client_request_id"]: e for e in csv.DictReader(lines)}
     assert sorted(exported) == sorted(rows)
     for rid, e in exported.items():
         r = rows[rid]

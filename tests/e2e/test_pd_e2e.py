@@ -111,7 +111,7 @@ def test_nixl_pair_through_kvgate(pd_pair: list[LocalEngine], tmp_path: Path,
     assert usage["prompt_tokens_details"]["cached_tokens"] == prefill_hit
     backend = open_backend(f"sqlite://{tmp_path}/ledger.sqlite")
     try:
-        rows = {r.request_id: r for r in backend.query(*ALL)}
+        rows = {str(r.client_request_id): r for r in backend.query(*ALL)}
     finally:
         backend.close()
     assert rows[f"pd-{stream}"].cached_tokens == prefill_hit

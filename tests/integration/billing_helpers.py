@@ -94,14 +94,21 @@ def billing_of(app: KvgateApp) -> Billing:
     return plugin
 
 
-async def ledger_rows(app: KvgateApp) -> dict[str, LedgerRecord]:
-    """Every committed record by request id (after the spool caught up)."""
+async def ledger_list(app: KvgateApp) -> list[LedgerRecord]:
+    """Every committed record in time order (after the spool caught up)."""
     ledger = billing_of(app).ledger
     assert ledger is not None
     assert await ledger.sync(15), "the ledger did not catch up"
-    rows = await ledger.query(*ALL)
-    assert len({r.request_id for r in rows}) == len(rows)
-    return {r.request_id: r for r in rows}
+    return await ledger.query(*ALL)
+
+
+async def ledger_rows(app: KvgateApp) -> dict[str, LedgerRecord]:
+    """Every committed record by the id the client saw in ``x-request-id`` (its own when it
+    sent one, kvgate's otherwise); the test's ids must be unique."""
+    rows = await ledger_list(app)
+    by_id = {r.client_request_id or r.request_id: r for r in rows}
+    assert len(by_id) == len(rows), "a test reused a client request id"
+    return by_id
 
 
 def sse_events(text: str) -> list[Any]:

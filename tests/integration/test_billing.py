@@ -23,6 +23,7 @@ from tests.integration.billing_helpers import (
     billing_config,
     billing_of,
     expected_cost,
+    ledger_list,
     ledger_rows,
     long_chat,
     sse_events,
@@ -183,7 +184,9 @@ async def test_unknown_cached_tokens(tmp_path: Path, estimate: bool) -> None:
     assert result["input_cached_tokens"] == (second.cached_tokens or 0)
 
 
-async def test_same_request_id_is_one_record(tmp_path: Path) -> None:
+async def test_a_reused_client_request_id_is_billed_per_request(tmp_path: Path) -> None:
+    """Two requests with one client ``x-request-id``: two records (kvgate's own ids), both
+    carrying the client's id, and each made final over its durable usage-time write."""
     keys = write_keys(tmp_path)
     async with sim_fleet(1) as sims, \
             gateway(billing_config([sims[0].url], tmp_path, keys)) as (app, client):
@@ -191,13 +194,15 @@ async def test_same_request_id_is_one_record(tmp_path: Path) -> None:
             resp = await client.post("/v1/chat/completions",
                                      json=long_chat(turn, max_tokens=max_tokens),
                                      headers={**keys.auth("admin"), "x-request-id": "dup"})
-            assert resp.status_code == 200
-        rows = await ledger_rows(app)
+            assert resp.status_code == 200 and resp.headers["x-request-id"] == "dup"
+        rows = await ledger_list(app)
         ledger = billing_of(app).ledger
         assert ledger is not None
         accepted = ledger.stats.accepted
-    assert list(rows) == ["dup"]
-    assert rows["dup"].completion_tokens == 7  # the last write wins
+    assert [r.client_request_id for r in rows] == ["dup", "dup"]
+    assert len({r.request_id for r in rows}) == 2 and "dup" not in {r.request_id for r in rows}
+    assert [r.completion_tokens for r in rows] == [3, 7]
+    assert all(r.outcome == "done" and r.cost_total > 0 for r in rows)
     assert accepted == 4  # per request: durable at usage time, final at completion
 
 

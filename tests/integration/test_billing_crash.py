@@ -93,9 +93,10 @@ def _locked(db: Path, lock: bool) -> Iterator[None]:
 
 
 def _rows(db: Path) -> dict[str, int]:
+    """Records per client request id (the load's ids are unique per request)."""
     with contextlib.closing(sqlite3.connect(db)) as conn:
-        return dict(conn.execute("SELECT request_id, COUNT(*) FROM kvgate_usage "
-                                 "GROUP BY request_id").fetchall())
+        return dict(conn.execute("SELECT client_request_id, COUNT(*) FROM kvgate_usage "
+                                 "GROUP BY client_request_id").fetchall())
 
 
 @pytest.mark.parametrize("db_locked", [False, True], ids=["database up", "database locked"])
@@ -133,7 +134,7 @@ def test_sigkill_mid_load_loses_no_completed_request(tmp_path: Path, db_locked: 
     backend = open_backend(f"sqlite://{db}")
     try:
         for r in backend.query(*ALL):
-            if r.request_id in done:
+            if r.client_request_id in done:
                 assert (r.outcome, r.status, r.priced) == ("done", 200, True)
                 assert r.cost_total == expected_cost(r.prompt_tokens, r.cached_tokens,
                                                      r.completion_tokens, r.tenant)

@@ -129,9 +129,10 @@ async def test_usage_api_export_and_metrics_agree(tmp_path: Path, kind: str,
     assert _usage_totals(page) == _ledger_totals(rows)
     for fmt in ("csv", "jsonl"):
         exported = _export(url, fmt, tmp_path / f"usage.{fmt}")
-        assert sorted(e["request_id"] for e in exported) == sorted(rows)
+        assert sorted(e["client_request_id"] for e in exported) == sorted(rows)
         for e in exported:
-            r = rows[e["request_id"]]
+            r = rows[e["client_request_id"]]
+            assert e["request_id"] == r.request_id != e["client_request_id"]
             assert Decimal(str(e["cost_total"])) == r.cost_total
             assert (int(e["prompt_tokens"]), str(e["cached_tokens"])) == (
                 r.prompt_tokens, str(r.cached_tokens))

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from middleware.errors import BadRequest
-from middleware.requests import parse_request, request_id
+from middleware.requests import client_request_id, new_request_id, parse_request
 from middleware.types import Api
 
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -76,13 +76,15 @@ def test_chat_request_fields() -> None:
 @pytest.mark.parametrize(("given", "ok"), [
     ("abc-123", True), ("a" * 128, True), ("a" * 129, False), ("bad id", False), ("x\n", False),
 ])
-def test_request_id(given: str, ok: bool) -> None:
+def test_client_request_id(given: str, ok: bool) -> None:
     if ok:
-        assert request_id({"x-request-id": given}) == given
+        assert client_request_id({"x-request-id": given}) == given
     else:
         with pytest.raises(BadRequest):
-            request_id({"x-request-id": given})
+            client_request_id({"x-request-id": given})
 
 
-def test_request_id_generated() -> None:
-    assert len(request_id({})) == 32
+def test_request_ids() -> None:
+    assert client_request_id({}) is None
+    ids = {new_request_id() for _ in range(100)}
+    assert len(ids) == 100 and all(len(i) == 32 for i in ids)

@@ -18,13 +18,14 @@ KIMI = ModelPrice(input=Decimal("0.60") / 10**6, cached_input=Decimal("0.10") / 
 def record(request_id: str, *, ts: dt.datetime = T0, tenant: str = "acme", key_id: str = "k1",
            model: str = "kimi-k2.5", prompt: int = 1000, cached: int | None = 800,
            completion: int = 100, estimate: int | None = None, outcome: str = "done",
-           status: int = 200) -> LedgerRecord:
+           status: int = 200, client_request_id: str | None = None) -> LedgerRecord:
     """A priced record (Kimi K2.5 prices) for ``request_id``."""
     c = cost(TokenCounts(prompt, completion, cached), KIMI, Decimal(0), estimate)
     return LedgerRecord(request_id=request_id, ts=ts, tenant=tenant, key_id=key_id,
                         model=model, engine="e0", prompt_tokens=prompt,
                         completion_tokens=completion, outcome=outcome, status=status,
-                        ttft_s=0.05, total_s=0.5, session="s1", **cost_fields(c))
+                        ttft_s=0.05, total_s=0.5, session="s1",
+                        client_request_id=client_request_id, **cost_fields(c))
 
 
 def random_records(seed: int, n: int, span_s: int = 3 * 86400) -> list[LedgerRecord]:
@@ -40,5 +41,6 @@ def random_records(seed: int, n: int, span_s: int = 3 * 86400) -> list[LedgerRec
             f"r{seed}-{i}", ts=T0 + dt.timedelta(seconds=rng.uniform(0, span_s)),
             tenant=rng.choice(["acme", "globex", "initech"]), key_id=rng.choice(["k1", "k2"]),
             model=rng.choice(["kimi-k2.5", "llama-3-8b"]), prompt=prompt, cached=cached,
-            completion=rng.randint(0, 2000), estimate=estimate))
+            completion=rng.randint(0, 2000), estimate=estimate,
+            client_request_id=rng.choice([None, f"c{i % 7}"])))
     return out

@@ -1,0 +1,36 @@
+"""A ledger table in the schema before :data:`pricing.backends.ADDED_COLUMNS` existed, to test
+that opening a backend on it upgrades it in place."""
+
+from __future__ import annotations
+
+from pricing.backends import ADDED_COLUMNS, TABLE, column_types
+from pricing.records import DECIMAL_FIELDS
+
+
+def old_table_sql(dialect: str) -> str:
+    """``CREATE TABLE`` for the first schema (every current column but the added ones)."""
+    cols = ", ".join(f"{n} {t}" for n, t in column_types(dialect) if n not in ADDED_COLUMNS)
+    return f"CREATE TABLE {TABLE} ({cols})"
+
+
+def old_row(dialect: str) -> tuple[object, ...]:
+    """One row of the old schema (request id ``old-1``, zero money), in column order."""
+    values: dict[str, object] = {
+        "request_id": "old-1", "tenant": "acme", "key_id": "k1", "model": "m", "engine": "e0",
+        "prompt_tokens": 10, "completion_tokens": 2, "cached_tokens": None,
+        "cached_source": "unknown", "outcome": "done", "status": 200, "cache_write_tokens": 0,
+    }
+    out: list[object] = []
+    for name, _ in column_types(dialect):
+        if name in ADDED_COLUMNS:
+            continue
+        if name in values:
+            out.append(values[name])
+        elif name == "ts":
+            out.append("2026-03-01T12:00:00+00:00" if dialect == "postgresql" else
+                       1_772_366_400_000_000)
+        elif name == "priced":
+            out.append(True if dialect == "postgresql" else 1)
+        else:
+            out.append("0" if name in DECIMAL_FIELDS else None)  # the rest is nullable
+    return tuple(out)
