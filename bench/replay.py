@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import platform
@@ -86,6 +87,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--venv-root", type=Path, default=venvs.DEFAULT_ROOT)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-plot", action="store_true",
+                   help="skip the PNG chart (also skipped when matplotlib is not installed)")
     args = p.parse_args(argv)
     unknown = [s for s in args.systems.split(",") if s not in SYSTEMS]
     if unknown:
@@ -210,8 +213,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for spec in args.traces.split(","):
         doc["results"][Path(spec.partition(":")[0]).stem] = run_trace(spec, args, stamp)
         out_json.write_text(json.dumps(doc, indent=1))
-    plot(args.out / f"replay-{stamp}.png", doc["results"])
-    print(f"wrote {out_json} and {out_json.with_suffix('.png')}", flush=True)
+    if args.no_plot or importlib.util.find_spec("matplotlib") is None:
+        print(f"wrote {out_json} (no chart: --no-plot, or matplotlib missing: "
+              "pip install -e '.[bench]')", flush=True)
+    else:
+        plot(out_json.with_suffix(".png"), doc["results"])
+        print(f"wrote {out_json} and {out_json.with_suffix('.png')}", flush=True)
     return doc
 
 

@@ -3,6 +3,7 @@ kvgate's default (cache-aware) profile in front of 2 simulated engines, time sca
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -32,4 +33,8 @@ def test_replay_end_to_end(tmp_path: Path) -> None:
     assert {o[4] for o in result["outcomes"]["kvgate-default"]} <= {"e0", "e1"}
     written = json.loads(next(tmp_path.glob("replay-*.json")).read_text())
     assert written["results"]["conversation"]["systems"] == result["systems"]
-    assert next(tmp_path.glob("replay-*.png")).stat().st_size > 0
+    charts = list(tmp_path.glob("replay-*.png"))  # the chart needs the bench extra's matplotlib
+    if importlib.util.find_spec("matplotlib") is None:
+        assert charts == []
+    else:
+        assert len(charts) == 1 and charts[0].stat().st_size > 0
