@@ -3,8 +3,13 @@ that opening a backend on it upgrades it in place."""
 
 from __future__ import annotations
 
-from pricing.backends import ADDED_COLUMNS, TABLE, column_types
+import datetime as dt
+
+from pricing.backends import ADDED_COLUMNS, TABLE, column_types, open_backend
 from pricing.records import DECIMAL_FIELDS
+from tests.unit.pricing.helpers import record
+
+ALL = (dt.datetime(2000, 1, 1, tzinfo=dt.UTC), dt.datetime(2100, 1, 1, tzinfo=dt.UTC))
 
 
 def old_table_sql(dialect: str) -> str:
@@ -34,3 +39,19 @@ def old_row(dialect: str) -> tuple[object, ...]:
         else:
             out.append("0" if name in DECIMAL_FIELDS else None)  # the rest is nullable
     return tuple(out)
+
+
+def check_upgraded(url: str) -> None:
+    """Open the ledger at ``url`` (holding :func:`old_row` in the old schema) twice -- the second
+    open, like a second replica's, finds the columns there -- writing and reading a record with
+    the new columns; the old row reads back with them null."""
+    new = record("new-1", client_request_id="client-7")
+    for _ in range(2):
+        backend = open_backend(url)
+        try:
+            backend.write([new])
+            got = {r.request_id: r for r in backend.query(*ALL)}
+        finally:
+            backend.close()
+        assert got["old-1"].client_request_id is None and got["old-1"].prompt_tokens == 10
+        assert got["new-1"] == new

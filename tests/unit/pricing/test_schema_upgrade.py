@@ -4,15 +4,11 @@ keeps the old rows (PostgreSQL: tests/unit/pricing/test_postgres.py)."""
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import sqlite3
 from pathlib import Path
 
-from pricing.backends import TABLE, add_columns_sql, open_backend
-from tests.unit.pricing.helpers import record
-from tests.unit.pricing.schema_helpers import old_row, old_table_sql
-
-ALL = (dt.datetime(2000, 1, 1, tzinfo=dt.UTC), dt.datetime(2100, 1, 1, tzinfo=dt.UTC))
+from pricing.backends import TABLE, add_columns_sql
+from tests.unit.pricing.schema_helpers import check_upgraded, old_row, old_table_sql
 
 
 def test_sqlite_table_of_the_first_schema_is_upgraded(tmp_path: Path) -> None:
@@ -22,16 +18,7 @@ def test_sqlite_table_of_the_first_schema_is_upgraded(tmp_path: Path) -> None:
         row = old_row("sqlite")
         conn.execute(f"INSERT INTO {TABLE} VALUES ({', '.join('?' for _ in row)})", row)
         conn.commit()
-    for _ in range(2):  # the second open finds the column there and adds nothing
-        backend = open_backend(f"sqlite://{db}")
-        try:
-            new = record("new-1", client_request_id="client-7")
-            backend.write([new])
-            got = {r.request_id: r for r in backend.query(*ALL)}
-        finally:
-            backend.close()
-        assert got["old-1"].client_request_id is None and got["old-1"].prompt_tokens == 10
-        assert got["new-1"] == new
+    check_upgraded(f"sqlite://{db}")
 
 
 def test_add_columns_sql_only_adds_what_is_missing() -> None:
