@@ -70,6 +70,10 @@ class MasterSpec(BaseModel):
     host: str = "127.0.0.1"
     rpc_port: int = Field(50051, ge=1, le=65535)
     metrics_port: int = Field(9003, ge=1, le=65535)
+    #: Address of the master's HTTP admin/metrics server (``/metrics``, ``/health``,
+    #: ``/get_all_keys``: it lists every key). Default: ``host``; ``mooncake_master`` alone would
+    #: bind it to 0.0.0.0.
+    metrics_host: str | None = None
 
 
 class GatewaySpec(BaseModel):
@@ -156,6 +160,10 @@ def _lmcache_config(fleet: FleetSpec, spec: EngineSpec) -> str:
             "metadata_server": "P2PHANDSHAKE",
             "protocol": fleet.transfer_protocol,
             "master_server_address": f"{master.host}:{master.rpc_port}",
+            # LMCache >= 0.5 passes ``mooncake_<name>`` keys to Mooncake's dict ``setup()`` as
+            # ``<name>``; Mooncake 0.3.13 reads the master there as ``master_server_addr`` and
+            # ignores ``master_server_address`` (the key of its positional ``setup()``).
+            "mooncake_master_server_addr": f"{master.host}:{master.rpc_port}",
             "global_segment_size": 4 << 30,
             "local_buffer_size": 1 << 30,
         },
@@ -166,6 +174,7 @@ def _lmcache_config(fleet: FleetSpec, spec: EngineSpec) -> str:
 def _master_script(fleet: FleetSpec) -> str:
     m = fleet.mooncake_master
     cmd = shlex.join(["mooncake_master", "-rpc_port", str(m.rpc_port), "-rpc_address", m.host,
+                      "-metrics_host", m.metrics_host or m.host,
                       "-metrics_port", str(m.metrics_port)])
     return _script("mooncake-master", [], cmd)
 

@@ -1,13 +1,15 @@
-"""``kvgate engines setup|build-model|up|down``: the local vLLM CPU fleet."""
+"""``kvgate engines setup|mooncake-setup|build-model|up|down``: the local vLLM CPU fleet."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from engines.local.fleet import start_fleet, start_pd_pair
 from engines.local.launcher import load_state, rss_mib, save_state, stop
 from engines.local.model import ensure_model
+from engines.local.mooncake import MooncakeError, ensure_mooncake_venv
 from engines.local.paths import fleet_state_file
 from engines.local.venv import ensure_engine_venv
 
@@ -17,6 +19,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     esub = p.add_subparsers(dest="engines_command", required=True)
     esub.add_parser("setup", help="create the engine venv (idempotent)").set_defaults(
         func=lambda a: _setup())
+    esub.add_parser("mooncake-setup", help="create the Mooncake Store venv (idempotent)"
+                    ).set_defaults(func=lambda a: _mooncake_setup())
     b = esub.add_parser("build-model", help="build the tiny model offline")
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(func=lambda a: _build(a.seed))
@@ -32,6 +36,16 @@ def _setup() -> int:
     started = time.monotonic()
     ensure_engine_venv()
     print(f"engine venv ready after {time.monotonic() - started:.0f} s")
+    return 0
+
+
+def _mooncake_setup() -> int:
+    try:
+        python = ensure_mooncake_venv()
+    except MooncakeError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print(f"mooncake_master: {python.with_name('mooncake_master')}")
     return 0
 
 

@@ -78,16 +78,29 @@ def test_mooncake_scripts() -> None:
 def test_lmcache_mooncake_store() -> None:
     files = render(_fleet("lmcache-mooncake", transfer_protocol="tcp"))
     assert files["mooncake-master.sh"].endswith(
-        "exec mooncake_master -rpc_port 50051 -rpc_address 10.0.0.1 -metrics_port 9003\n")
+        "exec mooncake_master -rpc_port 50051 -rpc_address 10.0.0.1 -metrics_host 10.0.0.1 "
+        "-metrics_port 9003\n")
     lm = yaml.safe_load(files["lmcache-decode-0.yaml"])
     assert lm == {
         "chunk_size": 256, "local_cpu": False, "remote_url": "mooncakestore://10.0.0.1:50051/",
         "remote_serde": "naive",
         "extra_config": {"local_hostname": "10.0.0.3", "metadata_server": "P2PHANDSHAKE",
                          "protocol": "tcp", "master_server_address": "10.0.0.1:50051",
+                         "mooncake_master_server_addr": "10.0.0.1:50051",
                          "global_segment_size": 4 << 30, "local_buffer_size": 1 << 30}}
     assert "export LMCACHE_CONFIG_FILE=lmcache-prefill-1.yaml\n" in files["prefill-1.sh"]
     assert files["README.txt"].splitlines()[1] == "  1. mooncake-master.sh (on the master host)"
+
+
+@pytest.mark.parametrize(("master", "expected"), [
+    ({"host": "10.0.0.1"}, "-rpc_address 10.0.0.1 -metrics_host 10.0.0.1 -metrics_port 9003"),
+    ({"host": "10.0.0.1", "metrics_host": "0.0.0.0", "metrics_port": 9100},
+     "-rpc_address 10.0.0.1 -metrics_host 0.0.0.0 -metrics_port 9100"),
+])
+def test_master_admin_server_binds_the_master_host_unless_told(
+        master: dict[str, Any], expected: str) -> None:
+    script = render(_fleet("lmcache-mooncake", mooncake_master=master))["mooncake-master.sh"]
+    assert script.endswith(f"{expected}\n")
 
 
 @pytest.mark.parametrize(("protocol", "connector", "labels"), [
