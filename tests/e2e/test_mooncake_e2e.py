@@ -122,6 +122,9 @@ def holder(python: Path, extra: dict[str, Any], log: Path) -> Iterator[dict[str,
         proc.wait(CLIENT_TIMEOUT_S)
     finally:
         stop_process(proc)
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
 
 
 def _read(python: Path, extra: dict[str, Any], log: Path) -> dict[str, Any]:
