@@ -101,7 +101,7 @@ class Gateway:
         headers = header_map(scope)
         extra: Headers = []
         status = 500
-        model = "other"
+        req: InferenceRequest | None = None
         try:
             rid, client_rid = new_request_id(), client_request_id(headers)
             extra.append((b"x-request-id", (client_rid or rid).encode()))
@@ -112,9 +112,6 @@ class Gateway:
             if principal is not None:
                 req.principal = principal
                 req.tenant, req.key_id = principal.tenant, principal.key_id
-            model = req.model if req.model in self.pool.models() else "other"
-            if model == "other" and req.model in self._catalog_models:
-                model = req.model  # a catalog model (bounded by the catalog file)
             status = await self._serve(req, receive, send, extra)
         except ClientGone:
             status = 499
@@ -124,8 +121,16 @@ class Gateway:
         except Exception:
             log.exception("unexpected error (request %s)", _rid(extra))
             await self._send_error(send, internal_error(_rid(extra)), extra)
-        self.metrics.requests.labels(api.value, model, str(status)).inc()
+        self.metrics.requests.labels(api.value, self._model_label(req), str(status)).inc()
         self.metrics.latency.labels(api.value).observe(time.monotonic() - started)
+
+    def _model_label(self, req: InferenceRequest | None) -> str:
+        """The request's model as a bounded metric label: a model an engine serves or a catalog
+        name (request hooks have resolved aliases to it by now), else ``other``."""
+        if req is not None and (req.model in self.pool.models()
+                                or req.model in self._catalog_models):
+            return req.model
+        return "other"
 
     async def _send_error(self, send: Send, err: HTTPError, extra: Headers) -> None:
         if isinstance(send, _Tracked) and send.started:

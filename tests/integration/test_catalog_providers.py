@@ -75,17 +75,19 @@ async def test_models_list_and_get(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         assert "did you mean" in error["message"] and "'claude-x'" in error["message"]
 
 
-CASES = [("alias to pool", "sim", "narrow", 200, "sim-0"),
-         ("alias to provider", "claude", "narrow", 200, "litellm:anthropic/claude-x"),
-         ("not on allow-list", "gpt", "narrow", 403, None),
-         ("unknown", "gpt-y", "admin", 404, None)]
+CASES = [  # (case, model asked, key, status, engine, kvgate_requests_total's model label)
+    ("alias to pool", "sim", "narrow", 200, "sim-0", "sim-model"),
+    ("alias to provider", "claude", "narrow", 200, "litellm:anthropic/claude-x", "claude-x"),
+    ("not on allow-list", "gpt", "narrow", 403, None, "gpt-x"),
+    ("unknown", "gpt-y", "admin", 404, None, "other"),
+]
 
 
-@pytest.mark.parametrize(("case", "model", "role", "status", "engine"), CASES,
+@pytest.mark.parametrize(("case", "model", "role", "status", "engine", "label"), CASES,
                          ids=[c[0] for c in CASES])
 async def test_alias_and_allow_list(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str,
                                     model: str, role: str, status: int,
-                                    engine: str | None) -> None:
+                                    engine: str | None, label: str) -> None:
     async with provider_stack(tmp_path, monkeypatch, ["sim", "claude"]) as s:
         resp = await _post(s, _chat(model), role)
         assert resp.status_code == status, resp.text
@@ -93,6 +95,8 @@ async def test_alias_and_allow_list(tmp_path: Path, monkeypatch: pytest.MonkeyPa
             assert resp.headers["x-kvgate-engine"] == engine
         if status == 404:
             assert "did you mean 'gpt-x'" in resp.json()["error"]["message"]
+        metrics = (await s.client.get("/metrics")).text
+    assert f'kvgate_requests_total{{api="chat",model="{label}",status="{status}"}} 1.0' in metrics
 
 
 @pytest.mark.parametrize("stream", [False, True])
