@@ -52,6 +52,16 @@ async def pd_fleet(
         yield pre, dec, app, client
 
 
+async def _one_pair(stack: contextlib.AsyncExitStack,
+                    time_scale: float) -> tuple[RunningSim, RunningSim]:
+    """One simulated prefill engine ``p0`` and one decode engine ``d0``, closed with ``stack``."""
+    pre = await stack.enter_async_context(serve_sim(SimConfig(
+        engine_id="p0", role="prefill", time_scale=time_scale)))
+    dec = await stack.enter_async_context(serve_sim(SimConfig(
+        engine_id="d0", role="decode", time_scale=time_scale)))
+    return pre, dec
+
+
 def _pd_data(pre: list[RunningSim], dec: list[RunningSim], protocol: str) -> dict[str, Any]:
     data = pd_config_data([s.url for s in pre], [s.url for s in dec], protocol)
     for eng, sim in zip(data["engines"], [*pre, *dec], strict=True):
@@ -201,10 +211,7 @@ async def test_stream_without_client_usage_is_stripped_and_billed() -> None:
 @contextlib.asynccontextmanager
 async def _admission_fleet(**params: Any) -> AsyncIterator[tuple[KvgateApp, httpx.AsyncClient]]:
     async with contextlib.AsyncExitStack() as stack:
-        pre = await stack.enter_async_context(serve_sim(SimConfig(
-            engine_id="p0", role="prefill", time_scale=1.0)))
-        dec = await stack.enter_async_context(serve_sim(SimConfig(
-            engine_id="d0", role="decode", time_scale=1.0)))
+        pre, dec = await _one_pair(stack, 1.0)
         data = pd_config_data([pre.url], [dec.url], "nixl")
         data["plugins"] += [{"type": "token-load-scorer"},
                             {"type": "pd-admission", "params": params}]
@@ -275,10 +282,7 @@ async def test_ledger_bills_the_prefill_hit(protocol: str, stream: bool, tmp_pat
     prices = tmp_path / "prices.yaml"
     prices.write_text(PRICES_YAML)
     async with contextlib.AsyncExitStack() as stack:
-        pre = await stack.enter_async_context(serve_sim(SimConfig(
-            engine_id="p0", role="prefill", time_scale=0.0)))
-        dec = await stack.enter_async_context(serve_sim(SimConfig(
-            engine_id="d0", role="decode", time_scale=0.0)))
+        pre, dec = await _one_pair(stack, 0.0)
         data = _pd_data([pre], [dec], protocol)
         data["plugins"] = [
             {"type": "api-keys", "params": {"file": str(keys.path)}},
@@ -305,10 +309,7 @@ async def test_cache_aware_decider_skips_the_hop_when_decode_holds_the_prompt() 
     """With the tokenizer and the prefix index, a repeated prompt stays on the decode engine
     that received its KV (it holds the prefix): no second prefill hop."""
     async with contextlib.AsyncExitStack() as stack:
-        pre = await stack.enter_async_context(serve_sim(SimConfig(
-            engine_id="p0", role="prefill", time_scale=0.0)))
-        dec = await stack.enter_async_context(serve_sim(SimConfig(
-            engine_id="d0", role="decode", time_scale=0.0)))
+        pre, dec = await _one_pair(stack, 0.0)
         data = _pd_data([pre], [dec], "nixl")
         data["plugins"] = [
             {"type": "tokenizer", "params": {"tokenizer": {"kind": "module", "module": "sim"}}},
@@ -332,10 +333,7 @@ async def test_prefill_load_released_when_the_prefill_hop_ends(protocol: str) ->
     """Token-load accounting: while decode streams, the prefill engine carries no prefill load
     for the request any more; the decode engine carries its expected output until the end."""
     async with contextlib.AsyncExitStack() as stack:
-        pre = await stack.enter_async_context(serve_sim(SimConfig(
-            engine_id="p0", role="prefill", time_scale=1.0)))
-        dec = await stack.enter_async_context(serve_sim(SimConfig(
-            engine_id="d0", role="decode", time_scale=1.0)))
+        pre, dec = await _one_pair(stack, 1.0)
         data = _pd_data([pre], [dec], protocol)
         data["plugins"].append({"type": "token-load-scorer"})
         app, url = await stack.enter_async_context(serve_gateway(data))
