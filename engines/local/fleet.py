@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from engines.local.launcher import LocalEngine, spawn, stop, wait_healthy
+from engines.local.launcher import DEFAULT_KV_CACHE_BYTES, LocalEngine, spawn, stop, wait_healthy
 from engines.local.model import ensure_model
 
 
@@ -15,13 +15,18 @@ def _cores() -> int:
 
 
 def start_fleet(count: int, kv_events: str | None = None, seed: int = 0,
-                progress: Callable[[str], None] = print) -> list[LocalEngine]:
+                progress: Callable[[str], None] = print, *,
+                kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+                kv_events_bind: bool = False) -> list[LocalEngine]:
     """Start ``count`` engines (one core each, round robin over the cores) and wait for health.
 
+    ``kv_cache_bytes``: each engine's KV cache; ``kv_events_bind``: each engine binds its own
+    KV-event socket (``LocalEngine.kv_events``) instead of connecting to ``kv_events``.
     Stops whatever it started if any engine fails to come up.
     """
     model = ensure_model(seed, progress)
-    engines = [spawn(model, f"vllm-{i}", i % _cores(), kv_events) for i in range(count)]
+    engines = [spawn(model, f"vllm-{i}", i % _cores(), kv_events, kv_cache_bytes=kv_cache_bytes,
+                     kv_events_bind=kv_events_bind) for i in range(count)]
     try:
         progress(f"engines: waiting for {count} vLLM CPU engines to become healthy ...")
         wait_healthy(engines)
@@ -49,8 +54,12 @@ def start_pd_pair(seed: int = 0, progress: Callable[[str], None] = print) -> lis
 
 
 @contextmanager
-def local_fleet(count: int, kv_events: str | None = None) -> Iterator[list[LocalEngine]]:
-    engines = start_fleet(count, kv_events)
+def local_fleet(count: int, kv_events: str | None = None, *,
+                kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+                kv_events_bind: bool = False,
+                progress: Callable[[str], None] = print) -> Iterator[list[LocalEngine]]:
+    engines = start_fleet(count, kv_events, progress=progress, kv_cache_bytes=kv_cache_bytes,
+                          kv_events_bind=kv_events_bind)
     try:
         yield engines
     finally:

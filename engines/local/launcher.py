@@ -1,13 +1,18 @@
 """Start and stop local vLLM CPU engines (the tiny model) as process groups.
 
 Each engine: ``python -m vllm.entrypoints.openai.api_server`` under the engine venv on a free
-loopback port, with prefix caching, prompt-token details, bounded KV memory (64 MiB: without it
-each engine reserves ~10 GiB), ``-O0`` (cold start ~35 s instead of ~120 s), pinned to one core
-(``VLLM_CPU_OMP_THREADS_BIND``; otherwise every engine computes on core 0), optional ZMQ KV
-events (plain address: the engine *connects* to the gateway's SUB socket; topic ``kv@<name>``),
-optional NixlConnector prefill/decode roles. Logs go to files; a health wait that times out
-raises with the log tail. A state file lets ``kvgate engines down`` stop exactly what
-``up`` started.
+loopback port, with prefix caching, prompt-token details, bounded KV memory (``kv_cache_bytes``,
+default 64 MiB: without it each engine reserves ~10 GiB), ``-O0`` (cold start ~35 s instead of
+~120 s), pinned to one core (``VLLM_CPU_OMP_THREADS_BIND``; otherwise every engine computes on
+core 0), optional ZMQ KV events, optional NixlConnector prefill/decode roles.
+
+KV events come in two modes: ``kv_events=ADDRESS`` (a plain address: the engine *connects* to
+the gateway's bound SUB socket; topic ``kv@<name>``), or ``kv_events_bind=True`` (what real
+deployments do: each engine binds its own ``tcp://*:<free port>`` with vLLM's default, empty,
+topic; the address to connect to is kept in ``LocalEngine.kv_events``).
+
+Logs go to files; a health wait that times out raises with the log tail. A state file lets
+``kvgate engines down`` stop exactly what ``up`` started.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ from engines.local.paths import engine_python, kvgate_home
 
 #: Cold start measured at 30-60 s on this 2-core machine; allow for a loaded CI machine.
 HEALTH_TIMEOUT_S = 300.0
+#: KV cache per engine unless told otherwise: 64 MiB = 16,384 tokens of the tiny model (4 KiB of
+#: K and V per token), room for a few 4k-token prompts; vLLM's own default would be ~10 GiB.
+DEFAULT_KV_CACHE_BYTES = 64 << 20
 PdRole = Literal["prefill", "decode"]
 
 
@@ -56,19 +64,41 @@ class LocalEngine:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def kv_events(self) -> str | None:
+        """Where this engine's bound KV-event socket accepts subscribers (bind mode only)."""
+        return self.extra.get("kv_events")
+
+
+def _bytes_arg(size: int) -> str:
+    """vLLM's human-readable form: ``64M`` is 64 MiB (binary suffix), else plain bytes."""
+    return f"{size >> 20}M" if size > 0 and size % (1 << 20) == 0 else str(size)
+
+
+def _events_config(kv_events: str | None, name: str, bind_port: int | None) -> dict[str, object]:
+    cfg: dict[str, object] = {"enable_kv_cache_events": True, "publisher": "zmq"}
+    if bind_port is not None:  # no "topic": vLLM's default (empty), as deployed engines have
+        return {**cfg, "endpoint": f"tcp://*:{bind_port}"}
+    return {**cfg, "endpoint": kv_events, "topic": f"kv@{name}"}
+
 
 def engine_args(model: Path, name: str, port: int, kv_events: str | None,
-                pd_role: PdRole | None) -> list[str]:
+                pd_role: PdRole | None, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+                kv_events_bind_port: int | None = None) -> list[str]:
+    """The engine's command line; ``kv_events`` (connect) and ``kv_events_bind_port`` (bind
+    ``tcp://*:port``) are exclusive."""
+    if kv_events is not None and kv_events_bind_port is not None:
+        raise ValueError("kv_events (connect) and kv_events_bind_port (bind) are exclusive")
     args = [
         str(engine_python()), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--served-model-name", SERVED_NAME,
         "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching",
         "--enable-prompt-tokens-details", "--max-model-len", "4096",
-        "--kv-cache-memory-bytes", "64M", "-O0", "--disable-uvicorn-access-log",
+        "--kv-cache-memory-bytes", _bytes_arg(kv_cache_bytes), "-O0",
+        "--disable-uvicorn-access-log",
     ]
-    if kv_events is not None:
-        cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": kv_events,
-               "topic": f"kv@{name}"}
+    if kv_events is not None or kv_events_bind_port is not None:
+        cfg = _events_config(kv_events, name, kv_events_bind_port)
         args += ["--kv-events-config", json.dumps(cfg)]
     if pd_role is not None:
         role = "kv_producer" if pd_role == "prefill" else "kv_consumer"
@@ -88,17 +118,20 @@ def engine_env(core: int, pd_role: PdRole | None) -> dict[str, str]:
 
 
 def spawn(model: Path, name: str, core: int, kv_events: str | None = None,
-          pd_role: PdRole | None = None, log_dir: Path | None = None) -> LocalEngine:
+          pd_role: PdRole | None = None, log_dir: Path | None = None, *,
+          kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+          kv_events_bind: bool = False) -> LocalEngine:
     port = free_port()
+    bind_port = free_port() if kv_events_bind else None
     logs = log_dir or kvgate_home() / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{name}-{port}.log"
+    argv = engine_args(model, name, port, kv_events, pd_role, kv_cache_bytes, bind_port)
     with log.open("wb") as out:
-        proc = subprocess.Popen(
-            engine_args(model, name, port, kv_events, pd_role), stdout=out,
-            stderr=subprocess.STDOUT, env=engine_env(core, pd_role), start_new_session=True,
-        )
-    return LocalEngine(name, port, proc.pid, str(log), time.monotonic(), pd_role)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                env=engine_env(core, pd_role), start_new_session=True)
+    extra = {} if bind_port is None else {"kv_events": f"tcp://127.0.0.1:{bind_port}"}
+    return LocalEngine(name, port, proc.pid, str(log), time.monotonic(), pd_role, extra=extra)
 
 
 def log_tail(engine: LocalEngine, lines: int = 40) -> str:

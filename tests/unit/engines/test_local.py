@@ -58,3 +58,26 @@ def test_venv_marker_decides_reuse(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert not venv.venv_ready()
     (tmp_path / "engine-venv" / venv.MARKER).write_text(venv._fingerprint())
     assert venv.venv_ready()
+
+
+@pytest.mark.parametrize(("size", "arg"), [(64 << 20, "64M"), (40 << 20, "40M"),
+                                           (1_000_000, "1000000")])
+def test_kv_cache_bytes(size: int, arg: str) -> None:
+    args = engine_args(Path("/m"), "vllm-0", 8000, None, None, kv_cache_bytes=size)
+    assert args[args.index("--kv-cache-memory-bytes") + 1] == arg
+
+
+def test_kv_events_bind_mode_binds_with_the_default_topic() -> None:
+    args = engine_args(Path("/m"), "vllm-0", 8000, None, None, kv_events_bind_port=5599)
+    cfg = json.loads(args[args.index("--kv-events-config") + 1])
+    assert cfg == {"enable_kv_cache_events": True, "publisher": "zmq",
+                   "endpoint": "tcp://*:5599"}  # no "topic": vLLM's default, empty
+    with pytest.raises(ValueError, match="exclusive"):
+        engine_args(Path("/m"), "vllm-0", 8000, "tcp://127.0.0.1:1", None,
+                    kv_events_bind_port=5599)
+
+
+def test_bound_engine_records_where_to_subscribe() -> None:
+    bound = LocalEngine("vllm-0", 8000, 1, "/l", 0.0, extra={"kv_events": "tcp://127.0.0.1:7"})
+    assert bound.kv_events == "tcp://127.0.0.1:7"
+    assert LocalEngine("vllm-1", 8001, 2, "/l", 0.0).kv_events is None
