@@ -38,7 +38,7 @@ from middleware.errors import (
 from middleware.gateway import Gateway
 from middleware.metrics import GatewayMetrics
 from middleware.pipeline import build_pipeline
-from middleware.plugin import HttpRequest, MetricsSource
+from middleware.plugin import HealthSource, HttpRequest, MetricsSource
 from middleware.pool import EndpointPool
 from middleware.registry import Registry
 from middleware.types import Api
@@ -170,10 +170,30 @@ class KvgateApp:
         engines = self.pool.status()
         healthy = sum(1 for e in engines if e["healthy"])
         status = 200 if healthy else 503
-        await send_json(send, status, {
+        body: dict[str, object] = {
             "status": "ok" if healthy else "unavailable",
             "engines_healthy": healthy, "engines_total": len(engines), "engines": engines,
-        })
+        }
+        sections = self._plugin_health()
+        if sections:
+            body["plugins"] = sections
+        await send_json(send, status, body)
+
+    def _plugin_health(self) -> dict[str, object]:
+        """``HealthSource`` plugins' sections by plugin name (empty ones left out)."""
+        out: dict[str, object] = {}
+        for name, plugin in self.pipeline.plugins.items():
+            if not isinstance(plugin, HealthSource):
+                continue
+            try:
+                section = plugin.health()
+            except Exception:  # one plugin's bug must not take /health down
+                log.exception("plugin %r: health() failed", name)
+                out[name] = {"error": "health() failed; see the gateway log"}
+                continue
+            if section:
+                out[name] = dict(section)
+        return out
 
     def _models(self, path: str, headers: dict[str, str]) -> Mapping[str, object]:
         """``GET /v1/models[/{id}]``: from the catalog plugin if configured (authenticated then,

@@ -67,6 +67,9 @@ class EngineConfig(BaseModel):
     models: tuple[str, ...] = ()
     #: ZMQ address of its KV events (used by the KV-event plugins).
     kv_events: str | None = None
+    #: ZMQ address of its KV-event replay socket (vLLM's ``replay_endpoint``, a ROUTER the
+    #: engine binds; a ``*`` host becomes the URL's host): lost batches are asked for there.
+    kv_events_replay: str | None = None
     #: Name of an environment variable holding the engine's API key (never the key itself).
     api_key_env: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)

@@ -236,6 +236,16 @@ class MetricsSource(Protocol):
 
 
 @runtime_checkable
+class HealthSource(Protocol):
+    """Plugins reporting their own state on ``GET /health``: the app puts what ``health()``
+    returns (JSON-serializable; an empty mapping adds nothing) under ``plugins.<plugin name>``.
+    Called on every ``/health`` request: cheap and synchronous, no I/O. It never changes the
+    status code (``/health`` stays 200 while engines serve)."""
+
+    def health(self) -> Mapping[str, object]: ...
+
+
+@runtime_checkable
 class ModelCatalog(Protocol):
     """At most one per gateway: the public model list (``GET /v1/models``, ``/v1/models/{id}``)
     and the backends behind it. ``check`` runs at startup with what the config declares and
@@ -274,6 +284,7 @@ SLOTS: Mapping[str, type] = {
     "endpoint-set-listener": EndpointSetListener,
     "lifecycle": Lifecycle,
     "metrics-source": MetricsSource,
+    "health-source": HealthSource,
     "route-provider": RouteProvider,
     "model-catalog": ModelCatalog,
 }

@@ -53,7 +53,7 @@ class _Engine:
             id=c.name, url=c.url, kind=c.kind, role=c.role, models=self.models,
             healthy=self.healthy, in_flight_requests=self.in_flight_requests,
             in_flight_tokens=self.in_flight_tokens, metrics=self.metrics, labels=c.labels,
-            kv_events=c.kv_events,
+            kv_events=c.kv_events, kv_events_replay=c.kv_events_replay,
         )
 
 

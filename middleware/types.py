@@ -59,6 +59,7 @@ class Endpoint:
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
     labels: Mapping[str, str] = field(default_factory=dict)
     kv_events: str | None = None
+    kv_events_replay: str | None = None
 
 
 @dataclass(slots=True)

@@ -23,11 +23,13 @@ Bounds and eviction
     ``capacity_blocks`` bounds the total number of (holder, block) pairs. When it is exceeded the
     least recently used block of the *largest* holder is dropped, so one busy engine cannot push
     the others' entries out. ``holder_capacity_blocks`` (optional) bounds each holder on its own,
-    which lets the approximate mode mirror an engine's LRU cache. Engines emit nothing on a cache
-    hit, so a successful :meth:`KvIndex.match` refreshes the matched blocks' recency; blocks are
-    refreshed tail first, root last, so that eviction takes a chain's tail before its root (a
-    dropped root would make every descendant unmatchable). Holds with an expiry (speculative or
-    approximate records) are treated as absent once expired and dropped when met.
+    which lets the approximate mode mirror an engine's LRU cache; :meth:`KvIndex.set_capacity`
+    overrides it for one holder (an engine whose KV capacity is known). Engines emit nothing on
+    a cache hit, so a successful :meth:`KvIndex.match` refreshes the matched blocks' recency;
+    blocks are refreshed tail first, root last, so that eviction takes a chain's tail before its
+    root (a dropped root would make every descendant unmatchable). Holds with an expiry
+    (speculative or approximate records) are treated as absent once expired and dropped when
+    met.
 
 Nothing here does I/O; the index is single-threaded (owned by the event loop).
 """
@@ -35,16 +37,17 @@ Nothing here does I/O; the index is single-threaded (owned by the event loop).
 from __future__ import annotations
 
 import math
-import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from hashlib import blake2b
-from typing import Any
 
-import msgpack
-
+from plugins.kv_hashing import ExtraKeys, HashingError, chain_hashes, request_extra_keys
 from plugins.kv_recent import PackingError, RecentPrompts, pack_tokens
+
+__all__ = [
+    "DEVICE", "OTHER", "ExtraKeys", "HashingError", "Hold", "IndexStats", "KvIndex",
+    "chain_hashes", "engine_of", "holder_id", "request_extra_keys", "tier_of",
+]
 
 #: Tier bits of a hold.
 DEVICE = 1
@@ -52,16 +55,10 @@ OTHER = 2
 #: ``medium`` values that mean device (accelerator) memory; vLLM reports "GPU" (also on CPU
 #: builds), and older engines omit the field, which vLLM documents as GPU.
 DEVICE_MEDIA = frozenset({"GPU", None})
-_ROOT_TAG = b"kvgate-kv-v1"
 _NEVER = math.inf
 
 HolderId = str
 EngineHash = int | bytes
-ExtraKeys = tuple[Any, ...] | None
-
-
-class HashingError(ValueError):
-    """Token ids or extra keys that cannot be hashed (negative or >= 2**32 ids, odd types)."""
 
 
 def holder_id(engine: str, dp_rank: int | None) -> HolderId:
@@ -76,62 +73,6 @@ def engine_of(holder: HolderId) -> str:
 
 def tier_of(medium: str | None) -> int:
     return DEVICE if medium in DEVICE_MEDIA else OTHER
-
-
-def root_hash(group_idx: int) -> int:
-    digest = blake2b(_ROOT_TAG + group_idx.to_bytes(4, "little", signed=True), digest_size=8)
-    return int.from_bytes(digest.digest(), "little")
-
-
-def request_extra_keys(n_blocks: int, lora: str | None, cache_salt: str | None) -> list[ExtraKeys]:
-    """The extra keys vLLM attaches to a text prompt's blocks: LoRA name on every block, then
-    ``cache_salt`` on the first block only (``None`` for a block without any)."""
-    base: tuple[Any, ...] = (lora,) if lora else ()
-    out: list[ExtraKeys] = [base or None] * n_blocks
-    if n_blocks and cache_salt:
-        out[0] = (*base, cache_salt)
-    return out
-
-
-def chain_hashes(
-    token_ids: Sequence[int],
-    block_size: int,
-    *,
-    parent: int | None = None,
-    group_idx: int = 0,
-    extra_keys: Sequence[ExtraKeys] | None = None,
-) -> list[int]:
-    """Own hashes of the full blocks of ``token_ids`` (see the module docstring).
-
-    ``parent`` continues an existing chain (default: the group's root). ``extra_keys`` gives one
-    entry per block (missing entries count as ``None``).
-    """
-    if block_size <= 0:
-        raise HashingError(f"block size must be positive, got {block_size}")
-    n_blocks = len(token_ids) // block_size
-    try:
-        data = struct.pack(f"<{n_blocks * block_size}I", *token_ids[: n_blocks * block_size])
-    except struct.error as exc:
-        raise HashingError(f"token ids must be in [0, 2**32): {exc}") from None
-    prev = (root_hash(group_idx) if parent is None else parent).to_bytes(8, "little")
-    width = 4 * block_size
-    count = block_size.to_bytes(4, "little")
-    out: list[int] = []
-    for i in range(n_blocks):  # one blake2b call per block: ~1 us, the cost of this function
-        extra = extra_keys[i] if extra_keys is not None and i < len(extra_keys) else None
-        tail = _pack_extra(extra) if extra else b""
-        prev = blake2b(prev + count + data[i * width : (i + 1) * width] + tail,
-                       digest_size=8).digest()
-        out.append(int.from_bytes(prev, "little"))
-    return out
-
-
-def _pack_extra(extra: tuple[Any, ...]) -> bytes:
-    try:
-        packed: bytes = msgpack.packb(list(extra), use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise HashingError(f"extra keys cannot be hashed: {exc}") from None
-    return packed
 
 
 class Hold:
@@ -194,6 +135,7 @@ class KvIndex:
         self.default_block_size = default_block_size
         self.stats = IndexStats()
         self._holders: dict[HolderId, _Holder] = {}
+        self._caps: dict[HolderId, int] = {}  # per-holder bounds overriding the default
         self._size = 0
         self.recent = RecentPrompts(recent_prompt_bytes) if recent_prompt_bytes else None
 
@@ -336,7 +278,7 @@ class KvIndex:
             for h in reversed(ancestors[:-1]):
                 self._put_held(holder, h)
         self.stats.stored_blocks += len(pairs)
-        self._enforce(holder)
+        self._enforce(holder, holder_key)
         return len(pairs)
 
     def _put_event_hold(
@@ -401,7 +343,28 @@ class KvIndex:
             for hid in self.holders():
                 if engine_of(hid) == engine:
                     self.recent.forget(hid)
+        for hid in [h for h in self._caps if engine_of(h) == engine]:
+            del self._caps[hid]
         return sum(self.reset(hid) for hid in self.holders() if engine_of(hid) == engine)
+
+    def set_capacity(self, holder_key: HolderId, blocks: int | None) -> None:
+        """Bound ``holder`` to ``blocks`` (None: back to ``holder_capacity_blocks``); its least
+        recently used blocks beyond it are dropped at once."""
+        if blocks is None:
+            self._caps.pop(holder_key, None)
+            return
+        if blocks <= 0:
+            raise ValueError("capacity must be positive")
+        if self._caps.get(holder_key) == blocks:
+            return
+        self._caps[holder_key] = blocks
+        holder = self._holders.get(holder_key)
+        if holder is not None:
+            self._enforce(holder, holder_key)
+
+    def capacity_of(self, holder_key: HolderId) -> int | None:
+        """The per-holder bound in force for ``holder`` (None: only the global bound)."""
+        return self._caps.get(holder_key, self.holder_capacity_blocks)
 
     # -- orphans ----------------------------------------------------------------------------
     def remember(self, holder_key: HolderId, token_ids: Sequence[int], hashes: Sequence[int],
@@ -475,7 +438,7 @@ class KvIndex:
                 hold.expires = max(hold.expires, expires)
                 hold.tiers |= DEVICE
             blocks.move_to_end(h)
-        self._enforce(holder)
+        self._enforce(holder, holder_key)
 
     # -- internals ------------------------------------------------------------------------
     def _holder(self, key: HolderId) -> _Holder:
@@ -495,8 +458,8 @@ class KvIndex:
         self._drop(holder, h)
         self.stats.evicted_blocks += 1
 
-    def _enforce(self, touched: _Holder) -> None:
-        cap = self.holder_capacity_blocks
+    def _enforce(self, touched: _Holder, key: HolderId) -> None:
+        cap = self._caps.get(key, self.holder_capacity_blocks)
         if cap is not None:
             while len(touched.blocks) > cap:
                 self._evict_oldest(touched)

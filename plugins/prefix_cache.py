@@ -2,7 +2,8 @@
 
 Two plugins:
 
-``prefix-cache-producer`` (DataProducer + DispatchHook) reads TOKEN_IDS and writes PREFIX_MATCH.
+``prefix-cache-producer`` (DataProducer + DispatchHook + UsageHook) reads TOKEN_IDS and writes
+PREFIX_MATCH.
 
 * ``precise`` mode: looks the prompt up in the ``kv-events`` plugin's index (what the engines
   reported through their KV events). The prompt is hashed per block size the engines use, with
@@ -13,9 +14,16 @@ Two plugins:
   requests sharing a new prefix follows the first one instead of spreading before the engine's
   events arrive; a real ``BlockStored`` for the block supersedes the guess.
 * ``approximate`` mode (no events): the gateway keeps its own record of which blocks it routed
-  to which engine, in its own block size, with an LRU bound per engine (set it to the engine's
-  KV capacity in blocks to mirror an LRU engine), a global bound and a TTL. Scoped by tenant
-  (``scope_by_tenant``), since the record is the gateway's own guess.
+  to which engine, in its own block size, with an LRU bound per engine (the engine's KV
+  capacity when its metrics report it, else ``engine_capacity_blocks``), a global bound and a
+  TTL. Scoped by tenant (``scope_by_tenant``), since the record is the gateway's own guess.
+* ``auto`` mode: both. Per engine, the KV-event index while that engine's state is ``exact``
+  (plugins/kv_health.py), else the gateway's own record, which auto mode therefore always
+  keeps. Without a ``kv-events`` plugin every engine is ``approximate``.
+
+In every mode with events, each request served by one engine compares the prediction for its
+target (device + other tiers, capped like vLLM caps a hit: the last prompt token is always
+recomputed) with the ``cached_tokens`` the engine reported; the states judge the results.
 
 ``prefix-cache-scorer`` (Scorer) turns PREFIX_MATCH into a score in [0, 1]:
 ``(device_tokens + other_tier_weight * other_tokens) / prompt_tokens``.
@@ -23,10 +31,14 @@ Two plugins:
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field
 
 from middleware.errors import ConfigError
@@ -37,6 +49,7 @@ from middleware.plugin import (
     Plugin,
     PluginLookup,
     Scorer,
+    UsageHook,
 )
 from middleware.types import (
     CycleState,
@@ -45,22 +58,46 @@ from middleware.types import (
     InferenceRequest,
     RoutingDecision,
     StateKey,
+    Usage,
 )
 from plugins.kv_events import KvEventsSubscriber
-from plugins.kv_index import (
-    HashingError,
-    KvIndex,
-    chain_hashes,
-    engine_of,
-    request_extra_keys,
-)
-from plugins.state import PREFIX_MATCH, TOKEN_IDS, PrefixMatch
+from plugins.kv_health import IndexHealth
+from plugins.kv_index import HashingError, KvIndex, chain_hashes, engine_of, request_extra_keys
+from plugins.state import PREFIX_MATCH, TOKEN_IDS, TOKEN_IDS_INEXACT, PrefixMatch
 
-#: The prompt's own block hashes per block size, computed by the producer for its dispatch hook.
-_HASHES: StateKey[dict[int, list[int]]] = StateKey("prefix-cache-hashes")
+log = logging.getLogger("kvgate.prefix_cache")
+
+#: ``EngineMetrics.extra`` key of an engine's KV capacity in tokens (the vLLM adapter fills it
+#: from ``vllm:cache_config_info``: num_gpu_blocks x block_size).
+KV_CAPACITY = "kv_capacity_tokens"
+
+Hashes = dict[int, list[int]]
+Found = dict[EndpointId, tuple[int, int]]
+
+#: The prompt's own block hashes per block size: for the KV-event index (no tenant scope) and
+#: for the gateway's record (tenant-scoped), computed by the producer for its dispatch hook.
+_EVENT_HASHES: StateKey[Hashes] = StateKey("prefix-cache-event-hashes")
+_RECORD_HASHES: StateKey[Hashes] = StateKey("prefix-cache-record-hashes")
+#: What the KV-event index predicted per engine (device, other), before this dispatch.
+_PREDICTED: StateKey[Found] = StateKey("prefix-cache-predicted")
 
 
-class PrefixCacheProducer(Plugin, DataProducer, DispatchHook, EndpointSetListener):
+@dataclass(frozen=True, slots=True)
+class _Check:
+    """A dispatch to one engine whose usage will be compared with the prediction."""
+
+    target: EndpointId
+    predicted: int
+    block_size: int
+    prompt_tokens: int
+    dispatched_at: float
+    inexact: bool
+
+
+_CHECK: StateKey[_Check] = StateKey("prefix-cache-check")
+
+
+class PrefixCacheProducer(Plugin, DataProducer, DispatchHook, UsageHook, EndpointSetListener):
     """Plugin ``prefix-cache-producer`` (see the module docstring and
     docs/plugins/prefix-cache.md).
 
@@ -80,26 +117,30 @@ class PrefixCacheProducer(Plugin, DataProducer, DispatchHook, EndpointSetListene
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid", frozen=True)
-        mode: Literal["precise", "approximate"] = "precise"
-        #: precise: name of the ``kv-events`` plugin instance (declared before this one).
+        mode: Literal["precise", "approximate", "auto"] = "precise"
+        #: precise / auto: name of the ``kv-events`` plugin instance (declared before this one;
+        #: optional in auto mode).
         events: str = "kv-events"
-        #: precise: lifetime of speculative entries, seconds (0: no speculation).
+        #: precise / auto: lifetime of speculative entries, seconds (0: no speculation).
         speculative_ttl_s: float = Field(2.0, ge=0)
-        #: approximate: tokens per block of the gateway's own record. 64 keeps hashing a 10k-token
-        #: prompt to ~160 blocks while losing at most 63 tokens of a match.
+        #: approximate / auto: tokens per block of the gateway's own record. 64 keeps hashing a
+        #: 10k-token prompt to ~160 blocks while losing at most 63 tokens of a match.
         block_size: int = Field(64, ge=1)
-        #: approximate: (engine, block) pairs kept, all engines together (~200 bytes each).
+        #: approximate / auto: (engine, block) pairs kept, all engines together (~200 B each).
         capacity_blocks: int = Field(262_144, ge=1)
-        #: approximate: blocks kept per engine (its KV capacity in ``block_size`` blocks).
+        #: approximate / auto: blocks kept per engine when its metrics do not report its KV
+        #: capacity (``kv_capacity_tokens``); null: only the global bound.
         engine_capacity_blocks: int | None = Field(None, ge=1)
-        #: approximate: lifetime of a record after the last request that used it, seconds.
+        #: approximate / auto: lifetime of a record after the last request that used it, s.
         record_ttl_s: float = Field(600.0, gt=0)
-        #: approximate: a tenant's requests only match that tenant's records.
+        #: approximate / auto: a tenant's requests only match that tenant's records.
         scope_by_tenant: bool = True
         #: Models served as LoRA adapters (their blocks carry the adapter name as extra key).
         lora_adapters: frozenset[str] = frozenset()
         #: KV-cache group matched (0: the full-attention group of ordinary models).
         group_idx: int = Field(0, ge=0)
+        #: auto: seconds an engine stays ``degraded`` before it is reported ``approximate``.
+        fallback_after_s: float = Field(10.0, ge=0)
 
     example_params: ClassVar[Mapping[str, object]] = {"mode": "approximate", "block_size": 64}
 
@@ -111,16 +152,37 @@ class PrefixCacheProducer(Plugin, DataProducer, DispatchHook, EndpointSetListene
         assert isinstance(params, PrefixCacheProducer.Params)
         self.p = params
         self.clock = clock
-        self.index: KvIndex
-        if params.mode == "precise":
-            source = plugins.lookup(params.events)
-            if not isinstance(source, KvEventsSubscriber):
-                raise ConfigError(f"{params.events!r} is not a kv-events plugin")
-            self.index = source.index
-        else:
-            self.index = KvIndex(
-                params.capacity_blocks, params.engine_capacity_blocks, params.block_size
-            )
+        source = self._events_plugin(plugins) if params.mode != "approximate" else None
+        #: The KV-event index (None without events).
+        self.events: KvIndex | None = None if source is None else source.index
+        #: The gateway's own record (None in precise mode).
+        self.record: KvIndex | None = None if params.mode == "precise" else KvIndex(
+            params.capacity_blocks, params.engine_capacity_blocks, params.block_size)
+        self._owns_health = source is None
+        self.states = IndexHealth(policy=params.mode) if source is None else source.health_state
+        self.states.set_policy(params.mode, params.fallback_after_s)
+        if source is None and params.mode == "auto":
+            self.states.no_events_reason = f"no kv-events plugin {params.events!r} is configured"
+            log.warning("prefix-cache-producer %r: mode auto without a kv-events plugin named %r: "
+                        "every engine is routed on the gateway's own record", name, params.events)
+
+    def _events_plugin(self, plugins: PluginLookup) -> KvEventsSubscriber | None:
+        try:
+            source = plugins.lookup(self.p.events)
+        except (ConfigError, KeyError):  # not declared (the pipeline's lookup: ConfigError)
+            if self.p.mode == "auto":
+                return None
+            raise
+        if not isinstance(source, KvEventsSubscriber):
+            raise ConfigError(f"{self.p.events!r} is not a kv-events plugin")
+        return source
+
+    @property
+    def index(self) -> KvIndex:
+        """The index routing reads first: the KV-event index (precise) or the record."""
+        index = self.events if self.p.mode == "precise" else self.record
+        assert index is not None
+        return index
 
     @property
     def precise(self) -> bool:
@@ -129,30 +191,61 @@ class PrefixCacheProducer(Plugin, DataProducer, DispatchHook, EndpointSetListene
     def on_endpoints_changed(
         self, added: Sequence[Endpoint], removed: Sequence[Endpoint]
     ) -> None:
-        """Approximate mode: forget the records of engines that left (precise: kv-events does)."""
-        if not self.precise:
-            for ep in removed:
-                self.index.reset_engine(ep.id)
+        """Forget the records of engines that left (the KV-event index: kv-events does)."""
+        for ep in removed:
+            if self.record is not None:
+                self.record.reset_engine(ep.id)
+            if self._owns_health:
+                self.states.forget(ep.id)
+        if self._owns_health:
+            for ep in added:
+                self.states.configure(ep.id, "none")
 
+    # -- observability (only when this producer owns the states: no kv-events plugin) --------
+    def health(self) -> Mapping[str, object]:
+        return self.states.health() if self._owns_health else {}
+
+    def collector(self) -> Collector:
+        return self.states.collector() if self._owns_health else _NoMetrics()
+
+    # -- hashing and matching ---------------------------------------------------------------
     def prompt_hashes(
-        self, req: InferenceRequest, tokens: Sequence[int], sizes: frozenset[int]
-    ) -> dict[int, list[int]]:
-        """The prompt's own hashes for each block size in ``sizes`` (see module docstring)."""
+        self, req: InferenceRequest, tokens: Sequence[int], sizes: frozenset[int],
+        *, scoped: bool | None = None,
+    ) -> Hashes:
+        """The prompt's own hashes for each block size in ``sizes``; ``scoped``: mix the tenant
+        into the first block (the gateway's record; default: not in precise mode)."""
         lora = req.model if req.model in self.p.lora_adapters else None
         salt = req.body.get("cache_salt")
         salt = salt if isinstance(salt, str) and salt else None
-        if not self.precise and self.p.scope_by_tenant and req.tenant is not None:
+        if scoped is None:
+            scoped = not self.precise
+        if scoped and self.p.scope_by_tenant and req.tenant is not None:
             salt = f"{salt or ''}\x00tenant:{req.tenant}"
-        out: dict[int, list[int]] = {}
+        out: Hashes = {}
         for size in sizes:
             extra = request_extra_keys(len(tokens) // size, lora, salt)
             out[size] = chain_hashes(tokens, size, group_idx=self.p.group_idx, extra_keys=extra)
         return out
 
-    def _sizes(self) -> frozenset[int]:
-        if self.precise:
-            return self.index.block_sizes(self.p.group_idx)
-        return frozenset({self.p.block_size})
+    def _match(self, index: KvIndex, hashes: Hashes, wanted: set[str]) -> Found:
+        holders = [h for h in index.holders() if engine_of(h) in wanted]
+        found: Found = {}
+        for holder, (dev, oth) in index.match(hashes, self.clock(), self.p.group_idx,
+                                               holders).items():
+            ep = engine_of(holder)
+            if (dev, oth) > found.get(ep, (0, 0)):
+                found[ep] = (dev, oth)
+        return found
+
+    def _learn_capacities(self, eps: Sequence[Endpoint]) -> None:
+        """Bound each engine's record by its reported KV capacity (in record blocks)."""
+        if self.record is None:
+            return
+        for ep in eps:
+            tokens = ep.metrics.extra.get(KV_CAPACITY)
+            if tokens is not None and tokens >= self.p.block_size:
+                self.record.set_capacity(ep.id, int(tokens // self.p.block_size))
 
     async def prepare(
         self, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]
@@ -160,46 +253,118 @@ class PrefixCacheProducer(Plugin, DataProducer, DispatchHook, EndpointSetListene
         tokens = state.get(TOKEN_IDS)
         if tokens is None:
             return
+        self._learn_capacities(eps)
+        exact_ids = state.get(TOKEN_IDS_INEXACT) is None
+        wanted = {ep.id for ep in eps}
+        precise: Found = {}
+        approx: Found = {}
         try:
-            hashes = self.prompt_hashes(req, tokens, self._sizes())
+            if self.events is not None and exact_ids:
+                hashes = self.prompt_hashes(req, tokens, self.events.block_sizes(self.p.group_idx),
+                                            scoped=False)
+                state.put(_EVENT_HASHES, hashes)
+                precise = self._match(self.events, hashes, wanted)
+            if self.record is not None:
+                hashes = self.prompt_hashes(req, tokens, frozenset({self.p.block_size}),
+                                            scoped=True)
+                state.put(_RECORD_HASHES, hashes)
+                approx = self._match(self.record, hashes, wanted)
         except HashingError:
             return
-        state.put(_HASHES, hashes)
-        wanted = {ep.id for ep in eps}
-        holders = [h for h in self.index.holders() if engine_of(h) in wanted]
-        found = self.index.match(hashes, self.clock(), self.p.group_idx, holders)
+        state.put(_PREDICTED, precise)
+        state.put(PREFIX_MATCH, self._combine(len(tokens), eps, precise, approx, exact_ids))
+
+    def _combine(self, n: int, eps: Sequence[Endpoint], precise: Found, approx: Found,
+                 exact_ids: bool) -> PrefixMatch:
+        if self.p.mode == "precise":
+            by_events = {ep.id for ep in eps}
+        elif self.p.mode == "approximate" or not exact_ids:
+            by_events = set()
+        else:
+            by_events = {ep.id for ep in eps if self.states.precise(ep.id)}
         device: dict[EndpointId, int] = {}
         other: dict[EndpointId, int] = {}
-        for holder, (dev, oth) in found.items():
-            ep = engine_of(holder)
-            if (dev, oth) > (device.get(ep, 0), other.get(ep, 0)):
-                device[ep], other[ep] = dev, oth
-        state.put(PREFIX_MATCH, PrefixMatch(len(tokens), device, other, self.precise))
+        for ep in eps:
+            found = (precise if ep.id in by_events else approx).get(ep.id)
+            if found is not None:
+                device[ep.id], other[ep.id] = found
+        every = bool(eps) and len(by_events) == len(eps)
+        return PrefixMatch(n, device, other, self.precise or every, frozenset(by_events))
 
+    # -- dispatch: speculation, records, the prediction to check ------------------------------
     async def before_dispatch(
         self, req: InferenceRequest, state: CycleState, decision: RoutingDecision
     ) -> None:
-        hashes = state.get(_HASHES)
         tokens = state.get(TOKEN_IDS)
-        ttl = self.p.speculative_ttl_s if self.precise else self.p.record_ttl_s
-        if hashes is None or tokens is None:
+        if tokens is None:
             return
-        expires = self.clock() + ttl
+        now = self.clock()
+        inexact = state.get(TOKEN_IDS_INEXACT)
         targets = [decision.target] if decision.prefill is None else [
             decision.prefill, decision.target
         ]
         for ep in targets:
-            size = self.index.block_size(ep.id, self.p.group_idx) if self.precise else (
-                self.p.block_size
-            )
-            if size not in hashes:  # an engine that has not reported its block size yet
-                hashes.update(self.prompt_hashes(req, tokens, frozenset({size})))
-            if ttl > 0:
-                self.index.record(ep.id, hashes[size], expires, block_size=size,
-                                  group_idx=self.p.group_idx)
-            if self.precise:  # lets the index re-key events whose parent it lost
-                self.index.remember(ep.id, tokens, hashes[size], block_size=size,
-                                    group_idx=self.p.group_idx)
+            self._speculate(req, state, ep, tokens, now)
+            self._record(state, ep, now)
+            if self.events is not None:
+                self.states.token_ids_inexact(ep.id, None if inexact is None else (
+                    f"token ids are not the engine's ({inexact}): KV events can never match"))
+        if self.events is not None and decision.prefill in (None, decision.target):
+            target = decision.target.id
+            dev, oth = (state.get(_PREDICTED) or {}).get(target, (0, 0))
+            size = self.events.block_size(target, self.p.group_idx)
+            state.put(_CHECK, _Check(target, dev + oth, size, len(tokens), now,
+                                     inexact is not None))
+
+    def _speculate(self, req: InferenceRequest, state: CycleState, ep: Endpoint,
+                   tokens: Sequence[int], now: float) -> None:
+        """KV-event index: speculative entries, and the prompt for re-keying orphans."""
+        hashes = state.get(_EVENT_HASHES)
+        if self.events is None or hashes is None:
+            return
+        size = self.events.block_size(ep.id, self.p.group_idx)
+        if size not in hashes:  # an engine that has not reported its block size yet
+            hashes.update(self.prompt_hashes(req, tokens, frozenset({size}), scoped=False))
+        if self.p.speculative_ttl_s > 0:
+            self.events.record(ep.id, hashes[size], now + self.p.speculative_ttl_s,
+                               block_size=size, group_idx=self.p.group_idx)
+        self.events.remember(ep.id, tokens, hashes[size], block_size=size,
+                             group_idx=self.p.group_idx)
+
+    def _record(self, state: CycleState, ep: Endpoint, now: float) -> None:
+        hashes = state.get(_RECORD_HASHES)
+        if self.record is None or hashes is None:
+            return
+        self.record.record(ep.id, hashes[self.p.block_size], now + self.p.record_ttl_s,
+                           block_size=self.p.block_size, group_idx=self.p.group_idx)
+
+    # -- usage: predicted vs reported -----------------------------------------------------------
+    async def on_usage(
+        self, req: InferenceRequest, state: CycleState, target: Endpoint, usage: Usage
+    ) -> None:
+        """Compare the prediction with the engine's ``cached_tokens`` (skipped when it reported
+        none). vLLM always recomputes the last prompt token and only caches whole blocks, so a
+        hit is at most ``floor((prompt_tokens - 1) / block_size) * block_size`` tokens
+        (``KVCacheManager.get_computed_blocks``: ``max_cache_hit_length = num_tokens - 1``); the
+        prediction is capped the same way."""
+        check = state.get(_CHECK)
+        if check is None or check.target != target.id:
+            return
+        size = check.block_size
+        cap = max(0, (usage.prompt_tokens - 1) // size * size)
+        predicted = min(check.predicted, cap)
+        reported = usage.cached_tokens
+        known = predicted if reported is None or check.inexact else reported
+        self.states.served(target.id, check.dispatched_at, expects_event=known < cap)
+        if reported is None or check.inexact:
+            return
+        self.states.prediction(target.id, predicted, reported, size,
+                               tokens_agree=check.prompt_tokens == usage.prompt_tokens)
+
+
+class _NoMetrics(Collector):
+    def collect(self) -> Iterator[Metric]:
+        return iter(())
 
 
 class PrefixCacheScorer(Plugin, Scorer):

@@ -7,7 +7,7 @@ A plugin that can work without a key reads it with ``state.get`` and does not de
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from middleware.types import EndpointId, StateKey
 
@@ -26,8 +26,17 @@ class PrefixMatch:
     #: endpoint id -> matched tokens on slower tiers (CPU, disk, remote), beyond ``device``
     other: Mapping[EndpointId, int]
     #: True when the numbers come from the engines' KV events; False: the gateway's own record
+    #: (mode ``auto``: True only when every candidate engine's numbers come from KV events)
     precise: bool
+    #: The engines whose numbers come from KV events (the others': the gateway's own record).
+    precise_engines: frozenset[EndpointId] = field(default_factory=frozenset)
 
+
+#: Set by a tokenizer whose TOKEN_IDS are not the engine's own token ids (a pseudo-tokenizer),
+#: to a short reason naming it. Such ids can key the gateway's own record but never match the
+#: engines' KV events: the prefix-cache producer then reports those engines degraded and, in
+#: mode ``auto``, routes them on its record. Absent: the ids are the engine's.
+TOKEN_IDS_INEXACT: StateKey[str] = StateKey("token-ids-inexact")
 
 #: Longest cached prefix per endpoint. Produced by the prefix-cache producer.
 PREFIX_MATCH: StateKey[PrefixMatch] = StateKey("prefix-match")

@@ -68,6 +68,11 @@ class KvEventsConfig(BaseModel):
     sndhwm: int = Field(default=100_000, ge=1)
     #: The ``data_parallel_rank`` field of each batch.
     data_parallel_rank: int = Field(default=0, ge=0)
+    #: ZMQ ROUTER address serving replays of past batches (vLLM's ``replay_endpoint``; always
+    #: bound, e.g. ``tcp://127.0.0.1:*``); ``None``: no replay socket.
+    replay_endpoint: str | None = None
+    #: Past batches kept for replay (vLLM's ``buffer_steps`` default).
+    buffer_steps: int = Field(default=10_000, ge=1)
 
 
 class PdSimConfig(BaseModel):

@@ -16,6 +16,12 @@ defaulted fields equal to their default are left out) and ``positional`` arrays 
 ``array_like=True``): ``["BlockStored", value, ...]`` in field order, trailing defaulted fields
 equal to their default left out. Hashes are unsigned 64-bit ints; ``token_ids`` concatenates
 the stored blocks' tokens.
+
+Replay (vLLM's ``replay_endpoint``, ``ZmqEventPublisher._service_replay``): a ROUTER socket,
+always bound. A client sends ``(b"", start_seq)`` (8 bytes big-endian; the ROUTER sees its
+identity first); the publisher answers ``(b"", topic, seq, payload)`` for every buffered batch
+with ``seq >= start_seq``, then ``(b"", b"", END_SEQ, b"")`` with ``END_SEQ`` = -1 as 8 signed
+big-endian bytes. The buffer keeps the last ``buffer_steps`` numbered batches.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Any, Literal
 
 import msgpack
 import zmq
+import zmq.asyncio
 
 from engines.sim.config import KvEventsConfig
 
@@ -42,6 +49,8 @@ MEDIUM_GPU = "GPU"
 FULL_ATTENTION = "full_attention"
 
 _DEFAULT = object()  # marks "no default" in field tables
+#: The replay end marker's sequence frame (vLLM ``ZmqEventPublisher.END_SEQ``).
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +146,11 @@ class PublisherStats:
     sent: int = 0
     dropped: int = 0
     send_errors: int = 0
+    #: Batches numbered and buffered but deliberately not sent (the :meth:`withhold` test hook).
+    withheld: int = 0
+    #: Replay requests served, and malformed ones ignored.
+    replays: int = 0
+    bad_replay_requests: int = 0
     last_error: str | None = field(default=None)
 
 
@@ -148,6 +162,9 @@ class KvEventPublisher:
     dropped and counted (its sequence number never appears on the wire). A sender task encodes
     and sends queued batches with non-blocking sends; a PUB socket itself drops messages for a
     subscriber past ``sndhwm``.
+
+    With ``replay_endpoint`` each numbered batch is also kept (``buffer_steps`` of them, oldest
+    dropped first) and a ROUTER task answers replay requests (see the module docstring).
 
     Parameters:
         config: endpoint, topic, encoding, bounds.
@@ -166,6 +183,13 @@ class KvEventPublisher:
         self._task: asyncio.Task[None] | None = None
         #: The endpoint actually bound or connected (a bound ``:*`` port resolved).
         self.endpoint: str = config.endpoint
+        self._buffer: deque[tuple[int, float, list[KvEvent]]] = deque(maxlen=config.buffer_steps)
+        self._withhold = 0
+        self._rctx: zmq.asyncio.Context | None = None
+        self._router: zmq.asyncio.Socket | None = None
+        self._replay_task: asyncio.Task[None] | None = None
+        #: The replay socket's bound address (``:*`` resolved); None without one.
+        self.replay_endpoint: str | None = None
 
     def start(self) -> None:
         """Open the socket and start the sender; needs a running event loop."""
@@ -183,6 +207,23 @@ class KvEventPublisher:
             sock.connect(self.config.endpoint)
         self._sock = sock
         self._task = asyncio.get_running_loop().create_task(self._sender(), name="sim-kv-events")
+        if self.config.replay_endpoint is not None:
+            self._start_replay(self.config.replay_endpoint)
+
+    def _start_replay(self, address: str) -> None:
+        self._rctx = zmq.asyncio.Context()
+        router = self._rctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(address)
+        self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._router = router
+        self._replay_task = asyncio.get_running_loop().create_task(
+            self._serve_replay(router), name="sim-kv-replay")
+
+    def withhold(self, batches: int) -> None:
+        """Test hook: number and buffer the next ``batches`` batches but do not send them, as
+        if the network lost them (a subscriber sees a sequence gap; the replay has them)."""
+        self._withhold += batches
 
     def publish(self, events: Sequence[KvEvent]) -> None:
         """Queue one batch (no-op for an empty list). Never blocks, never raises."""
@@ -191,18 +232,28 @@ class KvEventPublisher:
         if len(self._queue) >= self.config.queue_limit:
             self._queue.popleft()
             self.stats.dropped += 1
-        self._queue.append((self._seq, time.time(), list(events)))
+        batch = (self._seq, time.time(), list(events))
+        self._queue.append(batch)
+        if self._router is not None:
+            self._buffer.append(batch)
         self._seq += 1
         self.stats.queued += 1
         self._wake.set()
 
     async def aclose(self) -> None:
         """Stop the sender, send what is still queued (sends do not block), close the socket."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        for task in (self._task, self._replay_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._replay_task = None
+        if self._router is not None:
+            self._router.close(linger=0)
+            self._router = None
+        if self._rctx is not None:
+            self._rctx.term()
+            self._rctx = None
         while self._queue and self._sock is not None:
             self._send(*self._queue.popleft())
         if self._sock is not None:
@@ -221,8 +272,31 @@ class KvEventPublisher:
                 self._send(seq, ts, events)
                 await asyncio.sleep(0)  # one batch at a time: steps keep running in between
 
+    async def _serve_replay(self, router: zmq.asyncio.Socket) -> None:
+        """vLLM's replay service: every buffered batch from the asked sequence, then END."""
+        while True:
+            frames = await router.recv_multipart()
+            if len(frames) != 3:  # vLLM's only check
+                self.stats.bad_replay_requests += 1
+                log.warning("kv events: invalid replay request of %d frames", len(frames))
+                continue
+            client, _, start = frames
+            first = int.from_bytes(start, "big")
+            for seq, ts, events in list(self._buffer):
+                if seq >= first:
+                    payload = encode_batch(events, self.config.encoding, ts,
+                                           self.config.data_parallel_rank)
+                    await router.send_multipart([client, b"", self.topic,
+                                                 seq.to_bytes(8, "big"), payload])
+            await router.send_multipart([client, b"", b"", END_SEQ, b""])
+            self.stats.replays += 1
+
     def _send(self, seq: int, ts: float, events: list[KvEvent]) -> None:
         assert self._sock is not None
+        if self._withhold > 0:
+            self._withhold -= 1
+            self.stats.withheld += 1
+            return
         payload = encode_batch(
             events, self.config.encoding, ts, self.config.data_parallel_rank
         )

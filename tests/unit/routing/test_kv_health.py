@@ -1,0 +1,215 @@
+"""Per-engine KV index states: each cause in, its recovery out, warnings, /health and metrics."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+from plugins.kv_health import HealthParams, IndexHealth, IndexState, Policy, Source
+from tests.unit.routing.helpers import Clock
+
+PARAMS = HealthParams(silence_s=5, unknown_topic_hold_s=30, window=10, min_checks=5,
+                      agreement=0.8, fallback_after_s=10)
+Step = Callable[[IndexHealth, Clock], None]
+
+
+def _health(policy: Policy = "precise", source: Source = "bound") -> tuple[IndexHealth, Clock]:
+    clock = Clock()
+    health = IndexHealth(PARAMS, policy=policy, clock=clock, wall=lambda: 1.7e9 + clock.now)
+    health.configure("e0", source)
+    health.configure("e1", source)
+    return health, clock
+
+
+def _later(seconds: float) -> Step:
+    def step(h: IndexHealth, c: Clock) -> None:
+        c.now += seconds
+        h.tick()
+    return step
+
+
+def _served(h: IndexHealth, c: Clock) -> None:
+    h.served("e0", c.now - 0.01, expects_event=True)
+
+
+def _predictions(n: int, predicted: int, reported: int, tokens_agree: bool = True) -> Step:
+    def step(h: IndexHealth, c: Clock) -> None:
+        for _ in range(n):
+            h.prediction("e0", predicted, reported, 16, tokens_agree)
+    return step
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    cause: list[Step]
+    reason: str  # a part of the degraded reason
+    recovery: list[Step]
+
+
+CASES = [
+    Case("gap being replayed", [lambda h, c: h.gap_opened("e0", "lost KV-event batches 3..4")],
+         "lost KV-event batches 3..4", [lambda h, c: h.gap_closed("e0")]),
+    Case("pseudo-tokenizer ids", [lambda h, c: h.token_ids_inexact("e0", "ids of approx")],
+         "ids of approx", [lambda h, c: h.token_ids_inexact("e0", None)]),
+    Case("unattributable messages on its socket", [lambda h, c: h.unknown_topic("")],
+         "unattributable KV events", [_later(30)]),
+    Case("silent after serving new blocks", [_served, _later(5)], "silent",
+         [lambda h, c: h.event("e0")]),
+    Case("predictions under", [_predictions(5, 0, 64)], "predictions disagree",
+         [_predictions(4, 64, 64), _predictions(1, 64, 64)]),
+    Case("predictions over", [_predictions(5, 64, 0)], "predictions disagree",
+         [_predictions(5, 32, 16)]),
+    Case("token counts differ", [_predictions(5, 0, 0, tokens_agree=False)],
+         "token ids are not the engine's", [_predictions(5, 0, 0)]),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_cause_degrades_and_recovery_restores(case: Case,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    health, clock = _health()
+    assert health.state("e0") is IndexState.EXACT
+    caplog.set_level(logging.WARNING, "kvgate.kv_index")
+    for step in case.cause:
+        step(health, clock)
+    assert health.state("e0") is IndexState.DEGRADED
+    assert case.reason in health.reason("e0")
+    assert _lines(caplog, "e0") == [
+        f"kv index: engine e0 exact -> degraded: {health.reason('e0')}"]
+    caplog.clear()
+    for step in case.recovery:
+        step(health, clock)
+    assert health.state("e0") is IndexState.EXACT, health.reason("e0")
+    assert [line.split(":")[1] for line in _lines(caplog, "e0")] == [
+        " engine e0 degraded -> exact"]
+
+
+def _lines(caplog: pytest.LogCaptureFixture, engine: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno == logging.WARNING and f"engine {engine} " in r.getMessage()]
+
+
+def test_predictions_need_a_new_window_to_recover() -> None:
+    health, _ = _health()
+    _predictions(5, 0, 64)(health, Clock())
+    assert health.state("e0") is IndexState.DEGRADED
+    _predictions(4, 64, 64)(health, Clock())  # 4 < min_checks: not judged yet
+    assert health.state("e0") is IndexState.DEGRADED
+    assert health.within_share("e0") == 1.0
+
+
+def test_an_idle_engine_is_never_silent() -> None:
+    health, clock = _health()
+    _later(3600)(health, clock)
+    assert health.state("e0") is IndexState.EXACT
+
+
+def test_an_event_after_the_dispatch_answers_the_request() -> None:
+    health, clock = _health()
+    health.event("e0")  # arrives before the usage (the usual order)
+    health.served("e0", clock.now - 0.01, expects_event=True)
+    _later(60)(health, clock)
+    assert health.state("e0") is IndexState.EXACT
+    health.served("e0", clock.now, expects_event=False)  # a fully cached prompt stores nothing
+    _later(60)(health, clock)
+    assert health.state("e0") is IndexState.EXACT
+
+
+def test_unknown_topics_spare_engines_whose_own_events_arrive() -> None:
+    health, _ = _health()
+    health.event("e1")
+    health.unknown_topic("kv@typo")
+    assert health.state("e0") is IndexState.DEGRADED
+    assert health.state("e1") is IndexState.EXACT
+    assert "'kv@typo'" in health.reason("e0")
+
+
+def test_unknown_topics_leave_engines_on_their_own_socket_alone() -> None:
+    health, _ = _health(source="connect")
+    health.unknown_topic("")
+    assert health.state("e0") is IndexState.EXACT
+
+
+def test_auto_mode_falls_back_then_returns() -> None:
+    health, clock = _health("auto")
+    health.gap_opened("e0", "lost batches")
+    assert health.state("e0") is IndexState.DEGRADED
+    assert health.routing("e0") == "approximate"
+    assert health.routing("e1") == "precise"
+    _later(9)(health, clock)
+    assert health.state("e0") is IndexState.DEGRADED
+    _later(1)(health, clock)
+    assert health.state("e0") is IndexState.APPROXIMATE
+    assert health.reason("e0") == "fallen back to the gateway's record: lost batches"
+    health.gap_closed("e0")
+    assert health.state("e0") is IndexState.EXACT
+    assert health.routing("e0") == "precise"
+
+
+STATIC_CASES = [
+    # (policy, source, state, part of the reason)
+    ("precise", "none", IndexState.OFF, "no prefix routing"),
+    ("events", "none", IndexState.OFF, "no prefix routing"),
+    ("auto", "none", IndexState.APPROXIMATE, "the gateway's own record"),
+    ("approximate", "bound", IndexState.APPROXIMATE, "mode approximate"),
+    ("approximate", "none", IndexState.APPROXIMATE, "mode approximate"),
+    ("auto", "connect", IndexState.EXACT, "none received yet"),
+    ("precise", "bound", IndexState.EXACT, "none received yet"),
+]
+
+
+@pytest.mark.parametrize(("policy", "source", "state", "reason"), STATIC_CASES)
+def test_configured_states(policy: Policy, source: Source, state: IndexState,
+                           reason: str) -> None:
+    health, _ = _health(policy, source)
+    assert health.state("e0") is state
+    assert reason in health.reason("e0")
+
+
+@pytest.mark.parametrize(("predicted", "reported", "result"), [
+    (0, 0, "within_block"), (48, 32, "within_block"), (32, 48, "within_block"),
+    (64, 32, "over"), (0, 33, "under"), (160, 0, "over"),
+])
+def test_prediction_results(predicted: int, reported: int, result: str) -> None:
+    health, _ = _health()
+    assert health.prediction("e0", predicted, reported, 16, True) == result
+    assert health.results("e0")[result] == 1
+
+
+def test_health_section_and_metrics() -> None:
+    health, clock = _health()
+    health.event("e0")
+    _predictions(3, 16, 16)(health, clock)
+    _predictions(1, 64, 0)(health, clock)
+    health.gap_opened("e1", "lost batches")
+    section = health.health()
+    assert section["policy"] == "precise"
+    engines = section["engines"]
+    assert isinstance(engines, dict)
+    assert engines["e0"] == {
+        "state": "exact", "reason": "KV events arrive attributed; predictions agree",
+        "since": 1.7e9 + 1000.0, "routing": "precise", "events": "bound",
+        "predictions_checked": 4, "predictions_within_block": 0.75}
+    assert engines["e1"]["state"] == "degraded"
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for m in health.collector().collect() for s in m.samples}
+    assert samples[("kvgate_kv_index_state", (("engine", "e1"), ("state", "degraded")))] == 1
+    assert samples[("kvgate_kv_index_state", (("engine", "e1"), ("state", "exact")))] == 0
+    assert samples[("kvgate_kv_index_state_changes_total",
+                    (("engine", "e1"), ("state", "degraded")))] == 1
+    assert samples[("kvgate_kv_predictions_total",
+                    (("engine", "e0"), ("result", "within_block")))] == 3
+    assert samples[("kvgate_kv_predictions_total", (("engine", "e0"), ("result", "over")))] == 1
+    assert samples[("kvgate_kv_predictions_within_block_ratio", (("engine", "e0"),))] == 0.75
+
+
+def test_forgotten_engines_leave_health_and_metrics() -> None:
+    health, _ = _health()
+    health.forget("e1")
+    assert health.engines() == ("e0",)
+    assert health.state("e1") is None
+    assert health.routing("e1") == "none"

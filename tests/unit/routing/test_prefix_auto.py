@@ -1,0 +1,189 @@
+"""``prefix-cache-producer`` mode auto (per-engine precise or approximate), the prediction
+check against the engine's cached_tokens, and the record bound learnt from KV capacity."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from middleware.types import Api, CycleState, Endpoint, EngineMetrics, RoutingDecision, Usage
+from plugins.kv_events import KvEventsSubscriber
+from plugins.kv_health import IndexState
+from plugins.prefix_cache import PrefixCacheProducer
+from plugins.state import PREFIX_MATCH, TOKEN_IDS, TOKEN_IDS_INEXACT, PrefixMatch
+from tests.unit.routing.helpers import Clock, Lookup, NoLookup, blocks, frames, request, stored
+
+BS = 16
+BIND = "tcp://127.0.0.1:5999"
+EPS = [Endpoint(id=f"e{i}", url=f"http://10.0.0.{i}:8000", kind="vllm") for i in range(2)]
+
+
+def _sub(clock: Clock, **params: Any) -> KvEventsSubscriber:
+    sub = KvEventsSubscriber("kv-events", KvEventsSubscriber.Params(
+        bind=BIND, prediction_window=10, prediction_min_checks=5, **params), NoLookup())
+    sub.health_state.clock = clock
+    sub.on_endpoints_changed(EPS, [])
+    return sub
+
+
+def _producer(sub: KvEventsSubscriber | None, clock: Clock, **params: Any) -> PrefixCacheProducer:
+    lookup = NoLookup() if sub is None else Lookup({"kv-events": sub})
+    producer = PrefixCacheProducer(
+        "pc", PrefixCacheProducer.Params(**{"mode": "auto", "block_size": BS, **params}), lookup,
+        clock=clock)
+    producer.on_endpoints_changed(EPS, [])
+    return producer
+
+
+async def _serve(producer: PrefixCacheProducer, tokens: list[int], target: str,
+                 cached: int | None = None, *, prefill: str | None = None,
+                 inexact: str | None = None, eps: list[Endpoint] | None = None,
+                 prompt_tokens: int | None = None) -> PrefixMatch:
+    """prepare -> dispatch -> usage of one request; returns its PREFIX_MATCH."""
+    state = CycleState()
+    state.put(TOKEN_IDS, tuple(tokens))
+    if inexact is not None:
+        state.put(TOKEN_IDS_INEXACT, inexact)
+    req = request(Api.COMPLETIONS)
+    eps = EPS if eps is None else eps
+    await producer.prepare(req, state, eps)
+    by_id = {ep.id: ep for ep in eps}
+    decision = RoutingDecision(target=by_id[target],
+                               prefill=None if prefill is None else by_id[prefill])
+    await producer.before_dispatch(req, state, decision)
+    if cached is not None or prompt_tokens is not None:
+        usage = Usage(prompt_tokens if prompt_tokens is not None else len(tokens), 1, cached)
+        await producer.on_usage(req, state, by_id[target], usage)
+    return state.require(PREFIX_MATCH)
+
+
+async def test_auto_without_kv_events_is_approximate_everywhere() -> None:
+    clock = Clock()
+    producer = _producer(None, clock)
+    toks = blocks(1, 3, BS)
+    first = await _serve(producer, toks, "e1")
+    again = await _serve(producer, toks, "e0")
+    assert not first.device and not first.precise
+    assert dict(again.device) == {"e1": 3 * BS}
+    assert again.precise_engines == frozenset()
+    section = producer.health()
+    engines = section["engines"]
+    assert isinstance(engines, dict)
+    assert engines["e0"]["state"] == "approximate"
+    assert "no kv-events plugin 'kv-events' is configured" in engines["e0"]["reason"]
+    names = {s.name for m in producer.collector().collect() for s in m.samples}
+    assert "kvgate_kv_index_state" in names
+
+
+async def test_auto_routes_exact_engines_precisely_and_degraded_ones_on_the_record() -> None:
+    clock = Clock()
+    sub = _sub(clock)
+    producer = _producer(sub, clock, speculative_ttl_s=0)
+    toks = blocks(2, 4, BS)
+    await _serve(producer, toks, "e0")  # recorded for e0 by the gateway, no event yet
+    sub.handle_frames(frames("kv@e1", 0, [stored([1, 2], None, toks[: 2 * BS], BS)]))
+    match = await _serve(producer, toks, "e1")
+    assert match.precise and match.precise_engines == {"e0", "e1"}
+    assert dict(match.device) == {"e1": 2 * BS}  # e0's record is not trusted while exact
+    sub.health_state.gap_opened("e0", "lost batches")
+    match = await _serve(producer, toks, "e1")
+    assert not match.precise and match.precise_engines == {"e1"}
+    assert dict(match.device) == {"e0": 4 * BS, "e1": 2 * BS}
+    assert producer.health() == {}  # kv-events owns the states and shows them
+
+
+PREDICTIONS = [
+    # (case, event blocks held, prompt tokens, reported cached, result)
+    ("cold", 0, 3 * BS + 5, 0, "within_block"),
+    ("warm exact", 3, 3 * BS + 5, 3 * BS, "within_block"),
+    ("fully cached prompt capped at its last token", 4, 4 * BS, 3 * BS, "within_block"),
+    ("one block short is within", 3, 3 * BS + 5, 2 * BS, "within_block"),
+    ("engine lost the blocks", 3, 3 * BS + 5, 0, "over"),
+    ("engine holds more than the index", 0, 3 * BS + 5, 3 * BS, "under"),
+]
+
+
+@pytest.mark.parametrize(("case", "held", "n_tokens", "cached", "result"), PREDICTIONS,
+                         ids=[c[0] for c in PREDICTIONS])
+async def test_prediction_against_reported_cached_tokens(
+        case: str, held: int, n_tokens: int, cached: int, result: str) -> None:
+    clock = Clock()
+    sub = _sub(clock)
+    producer = _producer(sub, clock, mode="precise")
+    toks = blocks(3, 5, BS)[:n_tokens]
+    if held:
+        sub.handle_frames(frames("kv@e0", 0, [stored(list(range(1, held + 1)), None,
+                                                      toks[: held * BS], BS)]))
+    await _serve(producer, toks, "e0", cached)
+    assert sub.health_state.results("e0")[result] == 1
+    assert sum(sub.health_state.results("e0").values()) == 1
+
+
+async def test_no_check_for_two_hops_or_unreported_cached_tokens() -> None:
+    clock = Clock()
+    sub = _sub(clock)
+    producer = _producer(sub, clock, mode="precise")
+    await _serve(producer, blocks(4, 3, BS), "e0", 0, prefill="e1")
+    await _serve(producer, blocks(5, 3, BS), "e0", None, prompt_tokens=3 * BS)
+    assert sum(sub.health_state.results("e0").values()) == 0
+
+
+async def test_disagreeing_predictions_fall_back_to_the_record_and_recover() -> None:
+    clock = Clock()
+    sub = _sub(clock)
+    producer = _producer(sub, clock, fallback_after_s=5)
+    toks = blocks(6, 4, BS)
+    for _ in range(5):  # the engine keeps reporting hits the index knows nothing of
+        await _serve(producer, toks, "e0", cached=3 * BS)
+        clock.now += 10  # past the speculative entries
+    assert sub.health_state.state("e0") is IndexState.DEGRADED
+    assert "predictions disagree" in sub.health_state.reason("e0")
+    clock.now += 5
+    sub.health_state.tick()
+    assert sub.health_state.state("e0") is IndexState.APPROXIMATE
+    match = await _serve(producer, toks, "e1", cached=0)
+    assert dict(match.device) == {"e0": 4 * BS}  # the record, while e0 is approximate
+    sub.handle_frames(frames("kv@e0", 0, [stored([1, 2, 3, 4], None, toks, BS)]))
+    for _ in range(5):  # events flow again and a new window agrees
+        await _serve(producer, toks, "e0", cached=3 * BS)
+    assert sub.health_state.state("e0") is IndexState.EXACT
+
+
+async def test_pseudo_token_ids_degrade_and_route_on_the_record() -> None:
+    clock = Clock()
+    sub = _sub(clock)
+    producer = _producer(sub, clock)
+    toks = blocks(7, 3, BS)
+    await _serve(producer, toks, "e1", inexact="approx pseudo-tokens")
+    assert sub.health_state.state("e1") is IndexState.DEGRADED
+    assert "approx pseudo-tokens" in sub.health_state.reason("e1")
+    match = await _serve(producer, toks, "e0", cached=0, inexact="approx pseudo-tokens")
+    assert dict(match.device) == {"e1": 3 * BS} and match.precise_engines == frozenset()
+    assert sum(sub.health_state.results("e0").values()) == 0  # never compared
+    await _serve(producer, toks, "e1")  # the engine's own ids again
+    assert sub.health_state.state("e1") is IndexState.EXACT
+
+
+async def test_record_bounded_by_the_reported_kv_capacity() -> None:
+    clock = Clock()
+    producer = _producer(None, clock, engine_capacity_blocks=100)
+    small = Endpoint(id="e0", url="http://e0", kind="vllm",
+                     metrics=EngineMetrics(extra={"kv_capacity_tokens": 4.0 * BS}))
+    prompts = [blocks(10 + i, 2, BS) for i in range(3)]
+    for toks in prompts:
+        await _serve(producer, toks, "e0", eps=[small])
+    assert producer.index.blocks_of("e0") == 4
+    assert producer.index.capacity_of("e0") == 4
+    assert producer.index.capacity_of("e1") == 100  # the param where nothing is reported
+
+
+async def test_silence_is_reported_through_usage() -> None:
+    clock = Clock()
+    sub = _sub(clock, silence_s=5)
+    producer = _producer(sub, clock, mode="precise")
+    await _serve(producer, blocks(8, 3, BS), "e0", cached=0)
+    clock.now += 5
+    sub.health_state.tick()
+    assert sub.health_state.state("e0") is IndexState.DEGRADED
+    assert sub.health_state.reason("e0").startswith("silent")
