@@ -35,8 +35,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from middleware.config import pd_profile
 from middleware.errors import ConfigError
+from middleware.quickstart import QuickStart, quick_start_config
 
 Protocol = Literal["nixl", "mooncake", "lmcache-mooncake", "sglang"]
 _STRICT = ConfigDict(extra="forbid", frozen=True)
@@ -94,6 +94,12 @@ class FleetSpec(BaseModel):
     lmcache_chunk_size: int = Field(256, ge=16)
     #: Mooncake transfer protocol: ``rdma`` on GPU fleets, ``tcp`` where there is no RDMA.
     transfer_protocol: Literal["rdma", "tcp"] = "rdma"
+    #: First port of the engines' KV-event publishers: each engine binds ``tcp://*:<port>``,
+    #: the n-th engine on a host ``kv_events_port + n`` (5557: vLLM's default endpoint).
+    kv_events_port: int = Field(5557, ge=1, le=65535)
+    #: The model's folder *on the gateway host* (tokenizer.json + chat template): with it the
+    #: gateway matches the engines' KV events exactly; without it routing is approximate.
+    tokenizer: str | None = None
 
 
 def _side_port(spec: EngineSpec, protocol: str, i: int) -> int:
@@ -102,10 +108,34 @@ def _side_port(spec: EngineSpec, protocol: str, i: int) -> int:
     return (5600 if protocol == "nixl" else 8998) + i
 
 
-def _vllm(fleet: FleetSpec, role: str, spec: EngineSpec, kv_config: dict[str, Any]) -> str:
+def _compact(data: dict[str, Any]) -> str:
+    return json.dumps(data, separators=(",", ":"))
+
+
+def kv_events_ports(fleet: FleetSpec) -> dict[tuple[str, int], int]:
+    """The KV-event port of each engine (by role and index): per host, counting up."""
+    ports: dict[tuple[str, int], int] = {}
+    per_host: dict[str, int] = {}
+    for role, specs in (("prefill", fleet.pools.prefill), ("decode", fleet.pools.decode)):
+        for i, spec in enumerate(specs):
+            n = per_host.get(spec.host, 0)
+            per_host[spec.host] = n + 1
+            ports[(role, i)] = fleet.kv_events_port + n
+    return ports
+
+
+def _kv_events_config(port: int) -> str:
+    """Prefix-cache events published on ``tcp://*:<port>`` with the engine's default (empty)
+    topic: the gateway connects one socket per engine, so no topic convention is needed."""
+    return _compact({"enable_kv_cache_events": True, "publisher": "zmq",
+                     "endpoint": f"tcp://*:{port}"})
+
+
+def _vllm(fleet: FleetSpec, spec: EngineSpec, kv_config: dict[str, Any], events: int) -> str:
     args = ["vllm", "serve", fleet.model, "--host", "0.0.0.0", "--port", str(spec.port),
-            "--enable-prompt-tokens-details",
-            "--kv-transfer-config", json.dumps(kv_config, separators=(",", ":")),
+            "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--kv-events-config", _kv_events_config(events),
+            "--kv-transfer-config", _compact(kv_config),
             *fleet.engine_args, *spec.args]
     return shlex.join(args)
 
@@ -121,6 +151,7 @@ def _script(name: str, env: list[tuple[str, str]], command: str) -> str:
 
 def _engine_files(fleet: FleetSpec, role: str, i: int, spec: EngineSpec) -> dict[str, str]:
     name = f"{role}-{i}"
+    events = kv_events_ports(fleet)[(role, i)]
     proto = fleet.protocol
     side = _side_port(spec, proto, i)
     env = [("CUDA_VISIBLE_DEVICES", spec.gpus)]
@@ -129,23 +160,47 @@ def _engine_files(fleet: FleetSpec, role: str, i: int, spec: EngineSpec) -> dict
     if proto == "nixl":
         env += [("VLLM_NIXL_SIDE_CHANNEL_HOST", spec.host),
                 ("VLLM_NIXL_SIDE_CHANNEL_PORT", str(side))]
-        cmd = _vllm(fleet, role, spec, {"kv_connector": "NixlConnector", "kv_role": kv_role})
+        cmd = _vllm(fleet, spec, {"kv_connector": "NixlConnector", "kv_role": kv_role}, events)
     elif proto == "mooncake":
-        env += [("VLLM_MOONCAKE_BOOTSTRAP_PORT", str(side))]
-        cmd = _vllm(fleet, role, spec, {"kv_connector": "MooncakeConnector", "kv_role": kv_role})
+        mooncake_env, kv_config = _mooncake(fleet, role, spec, side)
+        env += mooncake_env
+        cmd = _vllm(fleet, spec, kv_config, events)
     elif proto == "lmcache-mooncake":
         env += [("LMCACHE_CONFIG_FILE", f"lmcache-{name}.yaml")]
         files[f"lmcache-{name}.yaml"] = _lmcache_config(fleet, spec)
-        cmd = _vllm(fleet, role, spec, {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})
+        cmd = _vllm(fleet, spec, {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
+                    events)
     else:
         cmd = shlex.join([
             "python", "-m", "sglang.launch_server", "--model-path", fleet.model,
             "--host", "0.0.0.0", "--port", str(spec.port), "--disaggregation-mode", role,
             "--disaggregation-bootstrap-port", str(side),
             "--disaggregation-transfer-backend", "mooncake", "--enable-cache-report",
+            "--kv-events-config", _kv_events_config(events),
             *fleet.engine_args, *spec.args])
     files[f"{name}.sh"] = _script(name, env, cmd)
     return files
+
+
+def _mooncake(
+    fleet: FleetSpec, role: str, spec: EngineSpec, side: int
+) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """Environment and ``--kv-transfer-config`` of a vLLM 0.32 MooncakeConnector engine.
+
+    Prefill (``kv_producer``) engines start the bootstrap server on
+    ``VLLM_MOONCAKE_BOOTSTRAP_PORT`` (bound on 0.0.0.0, so unique per host: ``side``); decode
+    (``kv_consumer``) engines start none and learn the address per request. ``VLLM_HOST_IP``
+    is the address the engine's workers register (prefill) and its transfer engine uses; vLLM
+    guesses one from the interfaces otherwise. ``mooncake_protocol``: the transfer engine's
+    transport (vLLM's default is ``rdma``).
+    """
+    env = [("VLLM_HOST_IP", spec.host)]
+    if role == "prefill":
+        env.append(("VLLM_MOONCAKE_BOOTSTRAP_PORT", str(side)))
+    kv_config = {"kv_connector": "MooncakeConnector",
+                 "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+                 "kv_connector_extra_config": {"mooncake_protocol": fleet.transfer_protocol}}
+    return env, kv_config
 
 
 def _lmcache_config(fleet: FleetSpec, spec: EngineSpec) -> str:
@@ -180,19 +235,29 @@ def _master_script(fleet: FleetSpec) -> str:
 
 
 def _gateway_config(fleet: FleetSpec) -> str:
-    engines: list[dict[str, Any]] = []
-    for role, specs in (("prefill", fleet.pools.prefill), ("decode", fleet.pools.decode)):
-        for i, spec in enumerate(specs):
-            eng: dict[str, Any] = {"name": f"{role}-{i}", "url": f"http://{spec.host}:{spec.port}",
-                                   "role": role}
-            if role == "prefill" and fleet.protocol in ("mooncake", "sglang"):
-                eng["labels"] = {"bootstrap_host": spec.host,
-                                 "bootstrap_port": str(_side_port(spec, fleet.protocol, i))}
-            engines.append(eng)
-    data = {"server": {"host": fleet.gateway.host, "port": fleet.gateway.port},
-            "engines": engines, **pd_profile(),
-            "disaggregation": {"connector": CONNECTOR[fleet.protocol]}}
-    return yaml.safe_dump(json.loads(json.dumps(data)), sort_keys=False)  # no YAML aliases
+    """The quick start's cache-aware P/D preset over the fleet, consuming every engine's KV
+    events (one socket per engine), plus the protocol's connector and bootstrap labels."""
+    ports = kv_events_ports(fleet)
+    pools = (("prefill", fleet.pools.prefill), ("decode", fleet.pools.decode))
+    qs = QuickStart(
+        prefill=tuple(f"http://{s.host}:{s.port}" for s in fleet.pools.prefill),
+        decode=tuple(f"http://{s.host}:{s.port}" for s in fleet.pools.decode),
+        kv_events=tuple(f"tcp://{spec.host}:{ports[(role, i)]}"
+                        for role, specs in pools for i, spec in enumerate(specs)),
+        tokenizer=fleet.tokenizer,
+        server={"host": fleet.gateway.host, "port": fleet.gateway.port},
+    )
+    data = quick_start_config(qs).model_dump(mode="json", exclude={"source"},
+                                             exclude_defaults=True)
+    for eng in data["engines"]:
+        role, _, index = eng["name"].partition("-")
+        i = int(index)
+        spec = fleet.pools.prefill[i] if role == "prefill" else fleet.pools.decode[i]
+        if role == "prefill" and fleet.protocol in ("mooncake", "sglang"):
+            eng["labels"] = {"bootstrap_host": spec.host,
+                             "bootstrap_port": str(_side_port(spec, fleet.protocol, i))}
+    data["disaggregation"] = {"connector": CONNECTOR[fleet.protocol]}
+    return yaml.safe_dump(data, sort_keys=False)
 
 
 def render(fleet: FleetSpec) -> dict[str, str]:

@@ -4,7 +4,10 @@ Also used for the simulated engine, which speaks vLLM's wire format.
 Metric names are vLLM's (0.32): ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:kv_cache_usage_perc`` (older: ``vllm:gpu_cache_usage_perc``),
 ``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total`` (tokens),
-``vllm:prompt_tokens_by_source_total{source=...}``.
+``vllm:prompt_tokens_by_source_total{source=...}``, and the KV capacity from the labels of
+``vllm:cache_config_info`` (``num_gpu_blocks`` x ``block_size``; summed over data-parallel
+engines) as ``EngineMetrics.extra["kv_capacity_tokens"]`` (absent when not reported: a router
+must then take the capacity from its configuration).
 """
 
 from __future__ import annotations
@@ -69,6 +72,20 @@ def _label_value(labels: str, key: str) -> str | None:
     return None
 
 
+#: ``EngineMetrics.extra`` key of the engine's KV capacity in tokens.
+KV_CAPACITY = "kv_capacity_tokens"
+
+
+def _capacity_tokens(labels: str) -> float | None:
+    """``num_gpu_blocks x block_size`` of a ``vllm:cache_config_info`` sample (None if either
+    is missing or not a positive integer, e.g. ``"None"`` before the profiler ran)."""
+    blocks, size = _label_value(labels, "num_gpu_blocks"), _label_value(labels, "block_size")
+    if blocks is None or size is None or not blocks.isdigit() or not size.isdigit():
+        return None
+    value = int(blocks) * int(size)
+    return float(value) if value > 0 else None
+
+
 class VllmAdapter:
     """Adapter for vLLM's OpenAI-compatible server (and the simulator)."""
 
@@ -88,6 +105,10 @@ class VllmAdapter:
                 source = _label_value(labels, "source") or "unknown"
                 key = f"prompt_tokens_{source}"
                 extra[key] = extra.get(key, 0.0) + value
+            elif name == "vllm:cache_config_info":
+                capacity = _capacity_tokens(labels)
+                if capacity is not None:
+                    extra[KV_CAPACITY] = extra.get(KV_CAPACITY, 0.0) + capacity
             elif name in _COUNTERS_EXTRA:
                 short = name.removeprefix("vllm:")
                 extra[short] = extra.get(short, 0.0) + value

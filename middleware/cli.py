@@ -4,20 +4,18 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
 
-from middleware.config import (
-    PD_CONNECTORS,
-    GatewayConfig,
-    config_from_engines,
-    config_from_pd,
-    load_config,
-    with_billing,
-)
+from middleware.config import PD_CONNECTORS, GatewayConfig, load_config, with_billing
 from middleware.errors import ConfigError
+from middleware.quickstart import QuickStart, quick_start_config
 from middleware.registry import command_registrars
+from middleware.tokenizer_discovery import discover_tokenizer
+
+log = logging.getLogger("kvgate.cli")
 
 
 def configure_logging(level: str) -> None:
@@ -42,22 +40,44 @@ def serve_config(config: GatewayConfig) -> int:
     return 0
 
 
+def quick_start(args: argparse.Namespace) -> QuickStart:
+    """The fleet the quick-start flags describe (the tokenizer found from the model when KV
+    events are given without ``--tokenizer``: precise routing needs the engines' token ids)."""
+    server = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    qs = QuickStart(
+        engines=tuple(args.engine or ()), prefill=tuple(args.prefill or ()),
+        decode=tuple(args.decode or ()), pd_protocol=args.pd_protocol,
+        kv_events=tuple(args.kv_events or ()), kv_events_bind=args.kv_events_bind,
+        tokenizer=args.tokenizer, server=server,
+    )
+    if qs.has_events and qs.tokenizer is None:
+        urls = qs.engines or qs.decode or qs.prefill
+        found = discover_tokenizer(urls[0])
+        if found is None:
+            log.warning("KV events are configured but no tokenizer was given or found from "
+                        "the model (--tokenizer DIR): routing stays approximate")
+        else:
+            log.info("tokenizer found from the model: %s", found)
+        qs = dataclasses.replace(qs, tokenizer=found)
+    return qs
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
-    pd = bool(args.prefill or args.decode)
-    if sum((bool(args.config), bool(args.engine), pd)) != 1:
+    quick = bool(args.engine or args.prefill or args.decode)
+    if bool(args.config) == quick:
         raise ConfigError("kvgate serve: give either --config FILE, at least one --engine URL, "
                           "or --prefill URL ... --decode URL ...")
-    if pd:
-        config = config_from_pd(args.prefill or [], args.decode or [], args.pd_protocol,
-                                host=args.host, port=args.port)
-    elif args.config:
+    if args.config and (args.kv_events or args.kv_events_bind or args.tokenizer):
+        raise ConfigError("--kv-events, --kv-events-bind and --tokenizer are quick-start flags: "
+                          "with --config, set them in the file (docs/config.md)")
+    if quick:
+        config = quick_start_config(quick_start(args))
+    else:
         config = load_config(args.config)
         server = config.server.model_copy(
             update={k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
         )
         config = config.model_copy(update={"server": server})
-    else:
-        config = config_from_engines(args.engine, host=args.host, port=args.port)
     config = with_billing(config, prices=args.prices, ledger=args.ledger, keys=args.keys)
     return serve_config(config)
 
@@ -66,7 +86,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser("serve", help="run the gateway")
     p.add_argument("--config", help="YAML config file (see docs/config.md)")
     p.add_argument("--engine", action="append", metavar="URL",
-                   help="engine base URL (repeatable); uses the default plugin profile")
+                   help="engine base URL (repeatable); the cache-aware default preset")
     p.add_argument("--prefill", action="append", metavar="URL",
                    help="prefill engine base URL (repeatable; with --decode: P/D quick start)")
     p.add_argument("--decode", action="append", metavar="URL",
@@ -74,6 +94,16 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--pd-protocol", choices=sorted(PD_CONNECTORS), default="nixl",
                    help="KV transfer protocol of the P/D engines (default nixl: vLLM "
                    "NixlConnector)")
+    p.add_argument("--kv-events", action="append", metavar="ADDR",
+                   help="ZMQ address of the engines' KV events, one per engine in order, or one "
+                   "tcp://*:PORT for all (each engine binds PORT on its own host): precise "
+                   "prefix routing with --tokenizer")
+    p.add_argument("--kv-events-bind", metavar="ADDR",
+                   help="the gateway binds this ZMQ address and the engines connect to it "
+                   "(their topics must be kv@<engine name>: engine-0, prefill-0, ...)")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="the model's folder (tokenizer.json + chat template) for exact token "
+                   "ids; with KV events and no --tokenizer, it is looked for from the model")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8080)")
     p.add_argument("--prices", metavar="FILE",

@@ -193,43 +193,6 @@ def load_config(path: str | Path) -> GatewayConfig:
     return parse_config(data, str(p))
 
 
-#: The composition used by ``kvgate serve --engine URL``: healthy engines serving the model,
-#: least in-flight requests first, seeded random tie-break. Plugins are named by type only:
-#: this is configuration data, the core imports none of them.
-DEFAULT_PROFILE: dict[str, Any] = {
-    "plugins": [
-        {"type": "health-filter"},
-        {"type": "model-filter"},
-        {"type": "least-in-flight-scorer"},
-        {"type": "max-score-picker"},
-    ],
-    "profiles": [
-        {
-            "name": "default",
-            "plugins": [
-                {"ref": "health-filter"},
-                {"ref": "model-filter"},
-                {"ref": "least-in-flight-scorer", "weight": 1.0},
-                {"ref": "max-score-picker"},
-            ],
-        }
-    ],
-}
-
-
-def config_from_engines(
-    urls: list[str], *, host: str | None = None, port: int | None = None, kind: str = "vllm"
-) -> GatewayConfig:
-    """A config for the quick start: the given engines behind the default profile."""
-    server: dict[str, Any] = {}
-    if host is not None:
-        server["host"] = host
-    if port is not None:
-        server["port"] = port
-    engines = [{"name": f"engine-{i}", "url": url, "kind": kind} for i, url in enumerate(urls)]
-    return parse_config({"server": server, "engines": engines, **DEFAULT_PROFILE}, "<command line>")
-
-
 def with_billing(
     config: GatewayConfig, *, prices: str | None = None, ledger: str | None = None,
     keys: str | None = None,
@@ -265,54 +228,3 @@ def with_billing(
 PD_CONNECTORS: dict[str, str] = {
     "nixl": "vllm-nixl", "mooncake": "vllm-mooncake", "sglang": "sglang",
 }
-
-
-def pd_profile(min_uncached_tokens: int = 256) -> dict[str, Any]:
-    """The default prefill/decode composition (configuration data; docs/disaggregation.md):
-    decode first (healthy decode engines serving the model, fewest in-flight requests), then a
-    prefill hop when at least ``min_uncached_tokens`` of the prompt are not on that decode
-    engine (healthy prefill engines, fewest in-flight requests)."""
-    common = [{"ref": "health-filter"}, {"ref": "model-filter"}]
-    tail = [{"ref": "least-in-flight-scorer", "weight": 1.0}, {"ref": "max-score-picker"}]
-    return {
-        "plugins": [
-            {"type": "health-filter"}, {"type": "model-filter"},
-            {"type": "role-filter", "name": "decode-role", "params": {"role": "decode"}},
-            {"type": "role-filter", "name": "prefill-role", "params": {"role": "prefill"}},
-            {"type": "least-in-flight-scorer"}, {"type": "max-score-picker"},
-            {"type": "pd-profile-handler",
-             "params": {"min_uncached_tokens": min_uncached_tokens}},
-        ],
-        "profiles": [
-            {"name": "decode", "plugins": [*common, {"ref": "decode-role"}, *tail]},
-            {"name": "prefill", "plugins": [*common, {"ref": "prefill-role"}, *tail]},
-        ],
-        "profile_handler": "pd-profile-handler",
-    }
-
-
-def pd_config_data(
-    prefill: list[str], decode: list[str], protocol: str = "nixl", kind: str = "vllm",
-) -> dict[str, Any]:
-    """Config data for a P/D fleet behind :func:`pd_profile` (``kvgate serve --prefill``)."""
-    if protocol not in PD_CONNECTORS:
-        raise ConfigError(f"unknown P/D protocol {protocol!r} (known: {', '.join(PD_CONNECTORS)})")
-    engines = [{"name": f"prefill-{i}", "url": u, "kind": kind, "role": "prefill"}
-               for i, u in enumerate(prefill)]
-    engines += [{"name": f"decode-{i}", "url": u, "kind": kind, "role": "decode"}
-                for i, u in enumerate(decode)]
-    return {"engines": engines, **pd_profile(),
-            "disaggregation": {"connector": PD_CONNECTORS[protocol]}}
-
-
-def config_from_pd(
-    prefill: list[str], decode: list[str], protocol: str = "nixl", *, host: str | None = None,
-    port: int | None = None,
-) -> GatewayConfig:
-    """The quick start's P/D config: ``kvgate serve --prefill URL ... --decode URL ...``."""
-    if not prefill or not decode:
-        raise ConfigError("prefill/decode disaggregation needs at least one --prefill and one "
-                          "--decode engine")
-    server = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
-    return parse_config({"server": server, **pd_config_data(prefill, decode, protocol)},
-                        "<command line>")

@@ -18,7 +18,8 @@ from engines.sim.config import KvEventsConfig, SimConfig
 from engines.sim.testing import serve_sim
 from middleware.app import create_app
 from middleware.cli import configure_logging
-from middleware.config import GatewayConfig, parse_config
+from middleware.config import GatewayConfig
+from middleware.quickstart import QuickStart, quick_start_config
 
 log = logging.getLogger("kvgate.demo")
 
@@ -65,33 +66,19 @@ def free_port(host: str = "127.0.0.1") -> int:
 def cache_aware_config(
     urls: list[str], events_address: str, host: str = "127.0.0.1", port: int = 8080
 ) -> GatewayConfig:
-    """The cache-aware default profile (docs/routing.md) over simulated engines: the sim
-    tokenizer, precise prefix matching from the engines' KV events (the gateway binds
-    ``events_address``; engine ``sim-i`` publishes topic ``kv@sim-i``)."""
-    data = {
-        "server": {"host": host, "port": port},
-        "pool": {"health_interval_s": 1.0, "metrics_interval_s": 1.0},
-        "engines": [{"name": f"sim-{i}", "url": u} for i, u in enumerate(urls)],
-        "plugins": [
-            {"type": "tokenizer", "params": {"tokenizer": {"kind": "module", "module": "sim"}}},
-            {"type": "kv-events", "params": {"bind": events_address, "connect": False}},
-            {"type": "prefix-cache-producer", "params": {"mode": "precise"}},
-            {"type": "health-filter"}, {"type": "model-filter"}, {"type": "token-load-scorer"},
-            {"type": "token-imbalance-filter"}, {"type": "prefix-cache-scorer"},
-            {"type": "session-affinity-scorer"}, {"type": "max-score-picker"},
-        ],
-        "profiles": [{"name": "default", "plugins": [
-            {"ref": "health-filter"}, {"ref": "model-filter"}, {"ref": "token-imbalance-filter"},
-            {"ref": "prefix-cache-scorer", "weight": 3}, {"ref": "token-load-scorer", "weight": 2},
-            {"ref": "session-affinity-scorer", "weight": 1}, {"ref": "max-score-picker"},
-        ]}],
-    }
-    return parse_config(data, "<kvgate demo>")
+    """The quick start's default preset over simulated engines, precise: the sim tokenizer and
+    the engines' KV events (the gateway binds ``events_address``; engine ``engine-i`` publishes
+    topic ``kv@engine-i``)."""
+    qs = QuickStart(engines=tuple(urls), kv_events_bind=events_address, tokenizer="sim",
+                    server={"host": host, "port": port})
+    config = quick_start_config(qs)
+    pool = config.pool.model_copy(update={"health_interval_s": 1.0, "metrics_interval_s": 1.0})
+    return config.model_copy(update={"pool": pool})
 
 
 def sim_config(i: int, events_address: str, time_scale: float) -> SimConfig:
-    events = KvEventsConfig(endpoint=events_address, topic=f"kv@sim-{i}")
-    return SimConfig(engine_id=f"sim-{i}", time_scale=time_scale, seed=i, kv_events=events)
+    events = KvEventsConfig(endpoint=events_address, topic=f"kv@engine-{i}")
+    return SimConfig(engine_id=f"engine-{i}", time_scale=time_scale, seed=i, kv_events=events)
 
 
 async def _run(args: argparse.Namespace) -> None:

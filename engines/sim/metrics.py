@@ -66,10 +66,25 @@ def _counters(engine: SimEngine, base: dict[str, str]) -> list[_Family]:
     return families
 
 
+def _info(engine: SimEngine) -> list[_Family]:
+    """``vllm:cache_config_info``: vLLM 0.32 publishes its CacheConfig as the labels of a gauge
+    of value 1 (``engine`` plus every config field; routers read ``num_gpu_blocks`` and
+    ``block_size`` for the KV capacity). The simulator sets the fields a router reads."""
+    cfg = engine.config
+    labels = {
+        "block_size": str(cfg.block_size), "enable_prefix_caching": "True",
+        "engine": "0", "kv_cache_size_tokens": str(cfg.capacity_tokens),
+        "num_cpu_blocks": "None", "num_gpu_blocks": str(cfg.capacity_blocks),
+    }
+    return [("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
+             [("vllm:cache_config_info", labels, 1.0)])]
+
+
 def render_metrics(engine: SimEngine) -> str:
     """The full ``/metrics`` page of ``engine``."""
     base = {"engine": engine.config.engine_id, "model_name": engine.config.model_name}
     lines: list[str] = []
-    for name, kind, help_text, samples in [*_gauges(engine, base), *_counters(engine, base)]:
+    families = [*_info(engine), *_gauges(engine, base), *_counters(engine, base)]
+    for name, kind, help_text, samples in families:
         lines.extend(_family(name, kind, help_text, samples))
     return "\n".join(lines) + "\n"

@@ -17,7 +17,7 @@ from engines.local.fleet import start_pd_pair
 from engines.local.launcher import LocalEngine, stop
 from engines.local.model import SERVED_NAME
 from engines.vllm import VllmAdapter
-from middleware.config import pd_config_data
+from middleware.quickstart import pd_config_data
 from pricing.backends import open_backend
 from tests.e2e.conftest import kvgate_serve
 from tests.integration.billing_helpers import ALL, Keys, sse_events, write_keys

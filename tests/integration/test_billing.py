@@ -15,8 +15,9 @@ import aiohttp
 import pytest
 
 from engines.sim.faults import FaultSpec
-from middleware.config import config_from_engines, parse_config, with_billing
+from middleware.config import parse_config, with_billing
 from middleware.errors import ConfigError
+from middleware.quickstart import config_from_engines
 from pricing.spool import SpoolError
 from tests.integration.billing_helpers import (
     Keys,

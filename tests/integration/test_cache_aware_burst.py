@@ -1,8 +1,11 @@
 """A burst of requests sharing a new prefix, through the cache-aware profile, in front of two
 simulated engines publishing KV events. The engines hold every request 0.5 s before running it
 (fault ``delay_first_byte_s``), so the whole burst (6 requests over ~25 ms) is routed before the
-first request's ``BlockStored`` can arrive. Speculative entries make the burst follow the first
-request; without them the token-load scorer spreads it, and each engine prefills the prefix."""
+first request's ``BlockStored`` can arrive. Speculative entries let placement see the prefix the
+first request is computing (its decisions are no longer all "cold"); without them the burst is
+placed blind. Either way the burst is spread: on the engine computing the prefix a request would
+wait for that prefill (in-flight work) and then reuse it, elsewhere it computes it at once — and
+a prefix sent six times at once is worth holding on both engines."""
 
 from __future__ import annotations
 
@@ -50,6 +53,15 @@ async def _gateway(speculative_ttl_s: float) -> AsyncIterator[httpx.AsyncClient]
             transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=30))
 
 
+def _decisions(metrics: str) -> dict[str, float]:
+    out = {}
+    for line in metrics.splitlines():
+        if line.startswith("kvgate_placement_decisions_total{"):
+            kind = line.split('kind="', 1)[1].split('"', 1)[0]
+            out[kind] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 async def _one(client: httpx.AsyncClient, i: int) -> str:
     await asyncio.sleep(i * STAGGER_S)
     body = {"model": "sim-model", "max_tokens": 2, "messages": [
@@ -59,10 +71,13 @@ async def _one(client: httpx.AsyncClient, i: int) -> str:
     return resp.headers["x-kvgate-engine"]
 
 
-@pytest.mark.parametrize(("speculative_ttl_s", "engines"), [(2.0, 1), (0.0, 2)])
-async def test_burst_of_a_new_prefix_follows_the_first_request(
-    speculative_ttl_s: float, engines: int
+@pytest.mark.parametrize(("speculative_ttl_s", "seen"), [(2.0, True), (0.0, False)])
+async def test_burst_of_a_new_prefix_is_placed_knowing_the_first_request(
+    speculative_ttl_s: float, seen: bool
 ) -> None:
     async with _gateway(speculative_ttl_s) as client:
         placed = await asyncio.gather(*(_one(client, i) for i in range(BURST)))
-    assert len(set(placed)) == engines, placed
+        decisions = _decisions((await client.get("/metrics")).text)
+    assert len(set(placed)) == 2, placed  # spread: both engines prefill it once, in parallel
+    assert sum(decisions.values()) == BURST
+    assert (decisions["cold"] < BURST) is seen, decisions

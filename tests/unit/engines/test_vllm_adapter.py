@@ -23,7 +23,29 @@ def test_real_vllm_metrics_capture() -> None:
     assert m.extra["prompt_tokens_local_cache_hit"] == 1152.0
     assert m.extra["prompt_tokens_local_compute"] == 1156.0
     assert m.extra["prompt_tokens_external_kv_transfer"] == 0.0
+    assert m.extra["kv_capacity_tokens"] == 128 * 128.0  # num_gpu_blocks x block_size
     assert m.scraped_at == 1.0
+
+
+@pytest.mark.parametrize(("labels", "expected"), [
+    ('block_size="16",num_gpu_blocks="27000"', 432_000.0),
+    ('num_gpu_blocks="None",block_size="16"', None),  # before profiling
+    ('block_size="16"', None),
+    ('block_size="0",num_gpu_blocks="10"', None),
+])
+def test_kv_capacity_from_cache_config_info(labels: str, expected: float | None) -> None:
+    text = f"vllm:cache_config_info{{{labels}}} 1.0\n"
+    assert VllmAdapter().parse_metrics(text, 0.0).extra.get("kv_capacity_tokens") == expected
+
+
+def test_simulator_publishes_its_capacity() -> None:
+    from engines.sim.config import SimConfig
+    from engines.sim.engine import SimEngine
+    from engines.sim.metrics import render_metrics
+
+    engine = SimEngine(SimConfig(block_size=32, capacity_blocks=100))
+    m = VllmAdapter().parse_metrics(render_metrics(engine), 0.0)
+    assert m.extra["kv_capacity_tokens"] == 3200.0
 
 
 @pytest.mark.parametrize(("text", "expected"), [

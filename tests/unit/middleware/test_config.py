@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 
 from engines.vllm import VllmAdapter
-from middleware.config import config_from_engines, load_config, parse_config
+from middleware.config import load_config, parse_config
 from middleware.errors import ConfigError
 from middleware.pipeline import build_pipeline
+from middleware.quickstart import config_from_engines
 from tests.unit.middleware.fakes import TwoProfiles, registry
 
 ENGINE = {"name": "e0", "url": "http://127.0.0.1:9000"}

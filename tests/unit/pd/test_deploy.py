@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import shlex
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from engines.connectors import VllmMooncakeConnector
 from engines.deploy import FleetSpec, render
 from middleware import cli
 from middleware.config import parse_config
+from middleware.connector import HopContext
 from middleware.pipeline import build_pipeline
 from middleware.registry import Registry
+from middleware.types import Endpoint, Role
 
 
 def _fleet(protocol: str, **extra: Any) -> FleetSpec:
@@ -33,7 +38,9 @@ cd "$(dirname "$0")"
 export CUDA_VISIBLE_DEVICES=0
 export VLLM_NIXL_SIDE_CHANNEL_HOST=10.0.0.2
 export VLLM_NIXL_SIDE_CHANNEL_PORT=5600
-exec vllm serve org/model-8b --host 0.0.0.0 --port 8100 --enable-prompt-tokens-details \
+exec vllm serve org/model-8b --host 0.0.0.0 --port 8100 --enable-prefix-caching \
+--enable-prompt-tokens-details \
+--kv-events-config '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557"}' \
 --kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_producer"}' \
 --max-model-len 32768
 """
@@ -45,7 +52,9 @@ cd "$(dirname "$0")"
 export CUDA_VISIBLE_DEVICES=0,1
 exec python -m sglang.launch_server --model-path org/model-8b --host 0.0.0.0 --port 8200 \
 --disaggregation-mode decode --disaggregation-bootstrap-port 8998 \
---disaggregation-transfer-backend mooncake --enable-cache-report --max-model-len 32768
+--disaggregation-transfer-backend mooncake --enable-cache-report \
+--kv-events-config '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557"}' \
+--max-model-len 32768
 """
 
 
@@ -69,10 +78,48 @@ def test_sglang_scripts_exact() -> None:
         in files["prefill-1.sh"]
 
 
-def test_mooncake_scripts() -> None:
+def _exports(script: str) -> dict[str, str]:
+    pairs = (shlex.split(line[len("export "):])[0].split("=", 1)
+             for line in script.splitlines() if line.startswith("export "))
+    return {k: v for k, v in pairs}
+
+
+def _kv_transfer_config(script: str) -> Any:
+    args = shlex.split(next(line for line in script.splitlines() if line.startswith("exec ")))
+    return json.loads(args[args.index("--kv-transfer-config") + 1])
+
+
+@pytest.mark.parametrize("transport", ["rdma", "tcp"])
+def test_mooncake_engines(transport: str) -> None:
+    """vLLM 0.32 MooncakeConnector: producers start the bootstrap server on
+    ``VLLM_MOONCAKE_BOOTSTRAP_PORT`` (one per host port), consumers none; every engine
+    registers / transfers on its own address; the transport is the fleet's."""
+    files = render(_fleet("mooncake", transfer_protocol=transport))
+    for name, host, kv_role, port in (("prefill-0", "10.0.0.2", "kv_producer", "8998"),
+                                      ("prefill-1", "10.0.0.2", "kv_producer", "8999"),
+                                      ("decode-0", "10.0.0.3", "kv_consumer", None)):
+        env = _exports(files[f"{name}.sh"])
+        assert env.get("VLLM_MOONCAKE_BOOTSTRAP_PORT") == port, name
+        assert env["VLLM_HOST_IP"] == host
+        assert _kv_transfer_config(files[f"{name}.sh"]) == {
+            "kv_connector": "MooncakeConnector", "kv_role": kv_role,
+            "kv_connector_extra_config": {"mooncake_protocol": transport}}
+
+
+def test_mooncake_gateway_asks_each_prefill_engines_bootstrap_server() -> None:
+    """The gateway's connector (from the rendered kvgate.yaml) queries and names, as
+    ``remote_bootstrap_addr``, the very host and port each prefill script binds."""
     files = render(_fleet("mooncake"))
-    assert "export VLLM_MOONCAKE_BOOTSTRAP_PORT=8998\n" in files["prefill-0.sh"]
-    assert '{"kv_connector":"MooncakeConnector","kv_role":"kv_producer"}' in files["prefill-0.sh"]
+    config = parse_config(yaml.safe_load(files["kvgate.yaml"]), "kvgate.yaml")
+    conn = build_pipeline(config, Registry.from_entry_points()).connector
+    assert isinstance(conn, VllmMooncakeConnector)
+    prefill = [e for e in config.engines if e.role.value == "prefill"]
+    assert len(prefill) == 2
+    for i, eng in enumerate(prefill):
+        env = _exports(files[f"prefill-{i}.sh"])
+        endpoint = Endpoint(eng.name, eng.url, "vllm", role=Role.PREFILL, labels=eng.labels)
+        url = conn.bootstrap(HopContext("r", endpoint, endpoint, room=0))
+        assert url == f"http://{env['VLLM_HOST_IP']}:{env['VLLM_MOONCAKE_BOOTSTRAP_PORT']}"
 
 
 def test_lmcache_mooncake_store() -> None:
@@ -116,6 +163,31 @@ def test_gateway_config_builds(protocol: str, connector: str, labels: str | None
     prefill0 = config.engines[0]
     assert prefill0.labels.get("bootstrap_port") == labels
     build_pipeline(config, Registry.from_entry_points())
+
+
+@pytest.mark.parametrize("protocol", ["nixl", "mooncake", "lmcache-mooncake", "sglang"])
+def test_engines_publish_kv_events_and_the_gateway_consumes_them(protocol: str) -> None:
+    """Every engine binds its own KV-event port (counting up per host); the gateway connects
+    to each and routes with the cache-aware P/D preset (placement decides both hops)."""
+    files = render(_fleet(protocol))
+    for name, port in (("prefill-0", 5557), ("prefill-1", 5558), ("decode-0", 5557)):
+        assert f'"endpoint":"tcp://*:{port}"' in files[f"{name}.sh"]
+    config = parse_config(yaml.safe_load(files["kvgate.yaml"]), "kvgate.yaml")
+    assert [e.kv_events for e in config.engines] == [
+        "tcp://10.0.0.2:5557", "tcp://10.0.0.2:5558", "tcp://10.0.0.3:5557"]
+    types = [p.type for p in config.plugins]
+    assert {"kv-events", "prefix-cache-producer", "kv-placement-scorer",
+            "pd-profile-handler"} <= set(types)
+    assert config.profile_handler == "pd-profile-handler"
+    for profile in config.profiles:
+        weighted = [r.ref for r in profile.plugins if r.weight]
+        assert weighted == ["kv-placement-scorer"], profile
+
+
+def test_gateway_tokenizer_from_the_fleet_file() -> None:
+    text = render(_fleet("nixl", tokenizer="/models/model-8b"))["kvgate.yaml"]
+    tok = next(p for p in yaml.safe_load(text)["plugins"] if p["type"] == "tokenizer")
+    assert tok["params"]["tokenizer"] == {"kind": "hf", "model_dir": "/models/model-8b"}
 
 
 def test_command_writes_files(tmp_path: Path) -> None:

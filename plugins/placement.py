@@ -1,0 +1,375 @@
+"""Capacity-aware placement (plugin ``kv-placement-scorer``): where a request's KV should live.
+
+The problem it solves. Under KV pressure every engine's cache is full all the time, so "how
+full" says nothing; what matters is how fast each cache is being *rewritten*. In an LRU cache a
+block survives about ``capacity / insertion rate``; a session's prefix is found again only if
+its engine inserted less than its capacity since the session's last turn. One pooled LRU of the
+whole fleet's capacity is the reference: if the gateway makes every engine's insertion rate
+proportional to its capacity, and never stores a prefix twice, every engine's blocks live as
+long as in the pooled cache. A router that ranks engines by the share of the prompt they hold
+does neither: every engine that holds a shared system prompt looks equally good, and the one
+that cached it first wins every new session until it thrashes.
+
+The algorithm. For each candidate engine ``e`` the scorer estimates what choosing ``e`` costs,
+in prefill-token equivalents::
+
+    miss(e)     = prompt - held(e)                          tokens e must compute and insert
+    queue(e)    = in-flight work on e (token-load-scorer)   tokens computed before this one
+    pressure(e) = recent insertions into e / capacity(e)    fraction of e's cache rewritten
+    J(e)        = miss(e) + load_weight · queue(e)
+                  + pressure_weight · capacity(e) · (pressure(e) - min over candidates)
+                  - pin_tokens  if e is the engine the request's session used last
+
+and gives the engine with the lowest ``J`` score 1, the others ``1 - (J - J_min) / spread``.
+
+* Only *differences* of ``J`` matter, so tokens that every engine holds (a shared system
+  prompt) cancel: what decides is what one engine holds *beyond* the others.
+* A request whose prefix no engine holds (a new session, a cold prompt) has equal ``miss``
+  everywhere: it goes where the cache is least rewritten (and least queued) — the fleet's
+  working set is spread by footprint against capacity.
+* A request whose prefix lives on one engine stays there ("sticky") until that engine's excess
+  pressure, in tokens, outweighs the prefix it would have to recompute elsewhere, or its queue
+  does ("until saturated"). Long sessions are stickier than short ones, as they should be.
+* Recent insertions decay by the fleet's own insertions, not by wall time: half of the weight
+  is gone after the fleet inserted ``half_life_caches`` x its total capacity. What was inserted
+  a fleet-turnover ago has mostly been evicted, and an idle fleet (which evicts nothing) keeps
+  its pressures. The signal is therefore the same at any request rate or trace speed-up.
+
+Insertions are charged at dispatch from what the scheduler knew (``miss`` on the engine that
+prefills, the prompt minus its hit on a decode engine that receives transferred KV, plus the
+expected output, whose full blocks the engine caches too).
+
+Inputs: ``PREFIX_MATCH`` (precise or approximate; optional: without it every engine misses
+everything and only pressure, queue and pin decide), ``TOKEN_IDS`` (prompt size),
+``SESSION_KEY`` (optional), each engine's capacity from its ``/metrics``
+(``EngineMetrics.extra["kv_capacity_tokens"]``, vLLM's ``vllm:cache_config_info``) or the
+params, the token-load scorer's in-flight work (optional). Bounded state: one pressure entry
+per engine (dropped with it) and at most ``max_sessions`` session pins (least recently used
+evicted first). Parameters and why their values: docs/plugins/placement.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from pydantic import BaseModel, ConfigDict, Field
+
+from middleware.errors import ConfigError
+from middleware.plugin import (
+    DispatchHook,
+    EndpointSetListener,
+    MetricsSource,
+    Plugin,
+    PluginLookup,
+    Scorer,
+)
+from middleware.types import (
+    CycleState,
+    Endpoint,
+    EndpointId,
+    InferenceRequest,
+    RoutingDecision,
+    StateKey,
+)
+from plugins.state import PREFIX_MATCH, SESSION_KEY, PrefixMatch
+from plugins.token_load import TokenLoadScorer, expected_output_tokens, prompt_tokens
+
+#: ``EngineMetrics.extra`` key holding an engine's KV capacity in tokens (engines/vllm.py).
+CAPACITY_KEY = "kv_capacity_tokens"
+
+
+class InsertionLedger:
+    """Per engine, tokens recently inserted into its KV cache, decayed by fleet insertions.
+
+    ``value(e) = Σ tokens_i · 2^(-(X - x_i) / half_life)`` where ``X`` is the running total of
+    tokens inserted fleet-wide and ``x_i`` its value when insertion ``i`` happened. Stored as
+    one (value, X at last update) pair per engine, so reading and adding are O(1).
+    """
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._entries: dict[EndpointId, tuple[float, float]] = {}
+
+    def value(self, engine: EndpointId, half_life: float) -> float:
+        entry = self._entries.get(engine)
+        if entry is None:
+            return 0.0
+        amount, at = entry
+        return amount * math.exp2(-(self.total - at) / half_life)
+
+    def add(self, engine: EndpointId, tokens: float, half_life: float) -> None:
+        if tokens <= 0:
+            return
+        self.total += tokens  # first: the engine's own insertion ages its older tokens too
+        self._entries[engine] = (self.value(engine, half_life) + tokens, self.total)
+
+    def forget(self, engine: EndpointId) -> None:
+        self._entries.pop(engine, None)
+
+    def engines(self) -> tuple[EndpointId, ...]:
+        return tuple(self._entries)
+
+
+@dataclass(slots=True)
+class PlacementStats:
+    """Decisions by kind (``home``: the engine holding the most beyond the others; ``moved``: a
+    prefix held elsewhere was given up for pressure or queue; ``cold``: nothing beyond the
+    common prefix anywhere), session pins used and evicted, insertions charged [tokens]."""
+
+    decisions: dict[str, int] = field(
+        default_factory=lambda: {"home": 0, "moved": 0, "cold": 0}
+    )
+    pins_used: int = 0
+    pins_evicted: int = 0
+    inserted_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """One scoring: cost per engine [tokens], the engine holding most beyond the others."""
+
+    costs: Mapping[EndpointId, float]
+    home: EndpointId | None
+
+
+#: The last placement of a request (for the dispatch hook's statistics).
+PLACEMENT: StateKey[Placement] = StateKey("kv-placement")
+
+
+class KvPlacementScorer(Plugin, Scorer, DispatchHook, EndpointSetListener, MetricsSource):
+    """Plugin ``kv-placement-scorer`` (see the module docstring and docs/plugins/placement.md).
+
+    Params (units in brackets):
+
+    * ``pressure_weight`` [tokens of recompute per token of excess insertion] — 1.0: inserting
+      a token into an engine whose cache turns over faster than another's evicts a block that
+      the other engine would have kept; one such block is worth about the block it displaces.
+    * ``half_life_caches`` [fleet capacities] — 1.0: an LRU cache keeps a block for about one
+      turnover, so insertions older than one fleet turnover no longer occupy anything.
+    * ``load_weight`` [cost tokens per in-flight token] — 1.0: a queued prefill token delays
+      this request as much as one of its own.
+    * ``pin_tokens`` [tokens] — 256: the session's last engine wins when the costs are within
+      two CPU blocks (128 tokens) or sixteen GPU blocks (16 tokens); a tie-breaker for the
+      moments the index cannot see the session (events not yet arrived), never a force that
+      beats a real difference in cached prefix or pressure.
+    * ``default_capacity_tokens`` [tokens] — 400,000 ≈ the KV of an 8B model on one H100
+      (../shared/design/H100_TIMING.md); used until an engine reports its capacity.
+    * ``capacity_tokens`` — per engine name, overrides what the engine reports.
+    * ``other_tier_weight`` [0..1] — a token held on a slower tier counts this much as held
+      (0.5, as prefix-cache-scorer: copying it up costs 10-70 % of recomputing it).
+    * ``load`` — name of the token-load-scorer whose in-flight work is ``queue``; ``None``: the
+      pool's in-flight request tokens.
+    * ``default_output_tokens``, ``max_output_tokens`` [tokens] — expected output when the
+      client sets no limit / cap on a client's limit (as token-load-scorer).
+    * ``max_sessions`` [sessions] — pins kept (65,536 x ~150 bytes ≈ 10 MB).
+    """
+
+    type_name: ClassVar[str] = "kv-placement-scorer"
+    example_params: ClassVar[Mapping[str, object]] = {"pressure_weight": 1.0}
+
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid", frozen=True)
+        pressure_weight: float = Field(1.0, ge=0.0)
+        half_life_caches: float = Field(1.0, gt=0.0)
+        load_weight: float = Field(1.0, ge=0.0)
+        pin_tokens: int = Field(256, ge=0)
+        default_capacity_tokens: int = Field(400_000, ge=1)
+        capacity_tokens: dict[str, int] = Field(default_factory=dict)
+        other_tier_weight: float = Field(0.5, ge=0.0, le=1.0)
+        load: str | None = None
+        default_output_tokens: int = Field(256, ge=0)
+        max_output_tokens: int = Field(4096, ge=1)
+        max_sessions: int = Field(65_536, ge=1)
+
+    def __init__(self, name: str, params: BaseModel, plugins: PluginLookup) -> None:
+        super().__init__(name, params, plugins)
+        assert isinstance(params, KvPlacementScorer.Params)
+        self.p = params
+        self.load: TokenLoadScorer | None = None
+        if params.load is not None:
+            found = plugins.lookup(params.load)
+            if not isinstance(found, TokenLoadScorer):
+                raise ConfigError(f"{params.load!r} is not a token-load-scorer")
+            self.load = found
+        self.ledger = InsertionLedger()
+        self.stats = PlacementStats()
+        self._pins: OrderedDict[str, EndpointId] = OrderedDict()
+        self._capacity: dict[EndpointId, int] = {}
+
+    # -- inputs -------------------------------------------------------------------------------
+    def capacity(self, ep: Endpoint) -> int:
+        """KV capacity [tokens]: configured, else reported by the engine, else the default."""
+        configured = self.p.capacity_tokens.get(ep.id)
+        if configured is not None:
+            return configured
+        reported = ep.metrics.extra.get(CAPACITY_KEY)
+        if reported is not None and reported >= 1:
+            return int(reported)
+        return self.p.default_capacity_tokens
+
+    def _half_life(self) -> float:
+        fleet = sum(self._capacity.values()) or self.p.default_capacity_tokens
+        return self.p.half_life_caches * fleet
+
+    def pressure(self, ep: Endpoint) -> float:
+        """Recent insertions into ``ep`` per token of its capacity."""
+        return self.ledger.value(ep.id, self._half_life()) / self.capacity(ep)
+
+    def queue(self, ep: Endpoint) -> float:
+        return self.load.work(ep.id) if self.load is not None else float(ep.in_flight_tokens)
+
+    def held(self, match: PrefixMatch | None, endpoint: EndpointId) -> float:
+        if match is None:
+            return 0.0
+        return match.device.get(endpoint, 0) + self.p.other_tier_weight * match.other.get(
+            endpoint, 0
+        )
+
+    # -- scoring ------------------------------------------------------------------------------
+    def place(self, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]) -> Placement:
+        """The cost of each candidate (module docstring) and the engine holding the most."""
+        for ep in eps:
+            self._capacity[ep.id] = self.capacity(ep)
+        prompt = prompt_tokens(req, state)
+        match = state.get(PREFIX_MATCH)
+        held = {ep.id: min(float(prompt), self.held(match, ep.id)) for ep in eps}
+        pressure = {ep.id: self.pressure(ep) for ep in eps}
+        floor = min(pressure.values())
+        pinned = self._pin_of(state.get(SESSION_KEY))
+        costs: dict[EndpointId, float] = {}
+        for ep in eps:
+            cost = prompt - held[ep.id] + self.p.load_weight * self.queue(ep)
+            cost += self.p.pressure_weight * self.capacity(ep) * (pressure[ep.id] - floor)
+            if ep.id == pinned:
+                cost -= self.p.pin_tokens
+            costs[ep.id] = cost
+        best_held = max(held.values())
+        home = None
+        if best_held > min(held.values()):
+            home = max(held, key=lambda e: held[e])
+        return Placement(costs, home)
+
+    def score(
+        self, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]
+    ) -> Mapping[EndpointId, float]:
+        if not eps:
+            return {}
+        placement = self.place(req, state, eps)
+        state.put(PLACEMENT, placement)
+        low = min(placement.costs.values())
+        spread = max(placement.costs.values()) - low
+        if spread <= 0.0:
+            return dict.fromkeys(placement.costs, 1.0)
+        return {ep: 1.0 - (cost - low) / spread for ep, cost in placement.costs.items()}
+
+    # -- dispatch -----------------------------------------------------------------------------
+    async def before_dispatch(
+        self, req: InferenceRequest, state: CycleState, decision: RoutingDecision
+    ) -> None:
+        prompt = prompt_tokens(req, state)
+        match = state.get(PREFIX_MATCH)
+        output = expected_output_tokens(
+            req.body, self.p.default_output_tokens, self.p.max_output_tokens
+        )
+        target = decision.target.id
+        inserted = {target: max(0.0, prompt - self._raw_held(match, target)) + output}
+        if decision.prefill is not None and decision.prefill.id != target:
+            inserted[decision.prefill.id] = max(
+                0.0, prompt - self._raw_held(match, decision.prefill.id)
+            )
+        half_life = self._half_life()
+        for engine, tokens in inserted.items():
+            self.ledger.add(engine, tokens, half_life)
+            self.stats.inserted_tokens += int(tokens)
+        self._count(state.get(PLACEMENT), target)
+        session = state.get(SESSION_KEY)
+        if session is not None:
+            self._pin(session, target)
+
+    @staticmethod
+    def _raw_held(match: PrefixMatch | None, endpoint: EndpointId) -> float:
+        """Tokens the engine holds on any tier (all of them are KV it need not insert)."""
+        if match is None:
+            return 0.0
+        return float(match.device.get(endpoint, 0) + match.other.get(endpoint, 0))
+
+    def _count(self, placement: Placement | None, target: EndpointId) -> None:
+        if placement is None:
+            return
+        kind = "cold" if placement.home is None else "home" if placement.home == target else (
+            "moved"
+        )
+        self.stats.decisions[kind] += 1
+
+    # -- session pins -------------------------------------------------------------------------
+    def _pin_of(self, session: str | None) -> EndpointId | None:
+        if session is None:
+            return None
+        engine = self._pins.get(session)
+        if engine is not None:
+            self._pins.move_to_end(session)
+            self.stats.pins_used += 1
+        return engine
+
+    def _pin(self, session: str, engine: EndpointId) -> None:
+        self._pins[session] = engine
+        self._pins.move_to_end(session)
+        while len(self._pins) > self.p.max_sessions:
+            self._pins.popitem(last=False)
+            self.stats.pins_evicted += 1
+
+    # -- endpoint set, metrics ----------------------------------------------------------------
+    def on_endpoints_changed(
+        self, added: Sequence[Endpoint], removed: Sequence[Endpoint]
+    ) -> None:
+        for ep in removed:
+            self.ledger.forget(ep.id)
+            self._capacity.pop(ep.id, None)
+        gone = {ep.id for ep in removed}
+        for session in [s for s, e in self._pins.items() if e in gone]:
+            del self._pins[session]
+
+    def collector(self) -> Collector:
+        return _PlacementCollector(self)
+
+
+class _PlacementCollector(Collector):
+    def __init__(self, scorer: KvPlacementScorer) -> None:
+        self._s = scorer
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        s = self._s
+        decisions = CounterMetricFamily(
+            "kvgate_placement_decisions", "Placement decisions by kind", labels=["kind"]
+        )
+        for kind, count in s.stats.decisions.items():
+            decisions.add_metric([kind], count)
+        yield decisions
+        yield CounterMetricFamily("kvgate_placement_pins_used", "Session pins consulted",
+                                  value=s.stats.pins_used)
+        yield CounterMetricFamily("kvgate_placement_pins_evicted",
+                                  "Session pins evicted (max_sessions)",
+                                  value=s.stats.pins_evicted)
+        yield CounterMetricFamily("kvgate_placement_inserted_tokens",
+                                  "KV tokens charged as inserted", value=s.stats.inserted_tokens)
+        yield GaugeMetricFamily("kvgate_placement_sessions", "Session pins held",
+                                value=len(s._pins))
+        pressure = GaugeMetricFamily(
+            "kvgate_placement_pressure",
+            "Recent KV insertions per token of capacity (decayed by fleet insertions)",
+            labels=["engine"],
+        )
+        capacity = GaugeMetricFamily("kvgate_placement_capacity_tokens",
+                                     "KV capacity used for placement", labels=["engine"])
+        half_life = s._half_life()
+        for engine, cap in sorted(s._capacity.items()):
+            pressure.add_metric([engine], s.ledger.value(engine, half_life) / cap)
+            capacity.add_metric([engine], cap)
+        yield pressure
+        yield capacity

@@ -1,0 +1,94 @@
+"""The quick-start presets (entry-point group ``kvgate.presets``): what ``kvgate serve --engine``,
+``kvgate serve --prefill/--decode``, ``kvgate deploy render`` and ``kvgate demo`` run.
+
+``cache-aware`` (aggregated engines) and ``cache-aware-pd`` (prefill/decode pools) are the
+product's default: cache-aware with no setup, precise when the fleet allows it.
+
+* **Tokens.** With a tokenizer (``--tokenizer DIR``: a model folder; or the name of a
+  ``kvgate.tokenizers`` entry point such as ``sim``) the gateway computes the engines' own token
+  ids; without one, pseudo-tokens (plugins/approx_tokens.py) that share prefixes exactly when
+  prompts do. Token-id prompts pass through either way.
+* **Prefix.** ``prefix-cache-producer`` in ``auto`` mode: per engine, precise from the engine's
+  KV events while they are attributed and agree with what the engine reports, else the
+  gateway's own record of what it routed where (approximate, bounded by the engine's capacity).
+  KV events are subscribed when the fleet publishes them (``--kv-events``).
+* **Placement.** ``kv-placement-scorer`` decides alone (weight 1): cost in tokens of recompute,
+  queue and cache pressure against each engine's KV capacity (docs/plugins/placement.md). The
+  token-load scorer and the session-affinity scorer run as hooks only: the first keeps the
+  in-flight work that placement reads, the second reads and echoes the session headers and
+  produces the session key that placement pins. Neither is weighted: a second weighted opinion
+  on the same facts is what made the old profile pile sessions onto one engine.
+* **P/D.** Decode first (placement over decode engines: the conversation's KV lives where it
+  was decoded), then a prefill hop only when at least 256 prompt tokens are not on that decode
+  engine (placement over prefill engines).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from middleware.quickstart import QuickStart
+
+#: ``pd-profile-handler``'s threshold: prefill hop when this many prompt tokens are not on the
+#: chosen decode engine (docs/plugins/pd.md has why 256).
+PD_MIN_UNCACHED_TOKENS = 256
+
+
+def _producers(qs: QuickStart) -> list[dict[str, Any]]:
+    """Tokenizer, KV events (when published), prefix producer, session and load hooks."""
+    tokenizer: dict[str, Any] = {"kind": "module", "module": qs.tokenizer or "approx"}
+    if qs.tokenizer is not None and ("/" in qs.tokenizer or Path(qs.tokenizer).is_dir()):
+        tokenizer = {"kind": "hf", "model_dir": qs.tokenizer}
+    out: list[dict[str, Any]] = [{"type": "tokenizer", "params": {"tokenizer": tokenizer}}]
+    if qs.has_events:
+        events: dict[str, Any] = {"connect": bool(qs.kv_events)}
+        if qs.kv_events_bind:
+            events["bind"] = qs.kv_events_bind
+        out.append({"type": "kv-events", "params": events})
+    out += [
+        {"type": "prefix-cache-producer", "params": _prefix_params(qs)},
+        {"type": "session-affinity-scorer"},
+        {"type": "token-load-scorer"},
+        {"type": "health-filter"}, {"type": "model-filter"},
+        {"type": "kv-placement-scorer", "params": {"load": "token-load-scorer"}},
+        {"type": "max-score-picker"},
+    ]
+    return out
+
+
+def _prefix_params(qs: QuickStart) -> dict[str, Any]:
+    return {"mode": "precise" if qs.precise else "approximate"}
+
+
+_COMMON = [{"ref": "health-filter"}, {"ref": "model-filter"}]
+_TAIL = [{"ref": "kv-placement-scorer", "weight": 1.0}, {"ref": "max-score-picker"}]
+
+
+def cache_aware(qs: QuickStart) -> dict[str, Any]:
+    """Preset ``cache-aware``: one profile over every engine."""
+    return {
+        "plugins": _producers(qs),
+        "profiles": [{"name": "default", "plugins": [*_COMMON, *_TAIL]}],
+    }
+
+
+def cache_aware_pd(qs: QuickStart) -> dict[str, Any]:
+    """Preset ``cache-aware-pd``: decode first, then a prefill hop when needed."""
+    plugins = _producers(qs)
+    picker = plugins.pop()
+    plugins += [
+        {"type": "role-filter", "name": "decode-role", "params": {"role": "decode"}},
+        {"type": "role-filter", "name": "prefill-role", "params": {"role": "prefill"}},
+        picker,
+        {"type": "pd-profile-handler",
+         "params": {"min_uncached_tokens": PD_MIN_UNCACHED_TOKENS}},
+    ]
+    return {
+        "plugins": plugins,
+        "profiles": [
+            {"name": "decode", "plugins": [*_COMMON, {"ref": "decode-role"}, *_TAIL]},
+            {"name": "prefill", "plugins": [*_COMMON, {"ref": "prefill-role"}, *_TAIL]},
+        ],
+        "profile_handler": "pd-profile-handler",
+    }

@@ -1,0 +1,207 @@
+"""kv-placement-scorer: costs per engine, stickiness until saturated, capacity from metrics,
+insertion ledger decay, session pins, metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from middleware.types import CycleState, Endpoint, EngineMetrics, RoutingDecision
+from plugins.placement import PLACEMENT, InsertionLedger, KvPlacementScorer
+from plugins.state import PREFIX_MATCH, SESSION_KEY, TOKEN_IDS, PrefixMatch
+from tests.unit.routing_load.helpers import Lookup, ep, load_scorer, req
+
+CAP = 10_000  # tokens per engine in these tests
+
+
+def scorer(**params: Any) -> KvPlacementScorer:
+    params.setdefault("default_capacity_tokens", CAP)
+    p = KvPlacementScorer.Params.model_validate(params)
+    return KvPlacementScorer("kv-placement-scorer", p, Lookup())
+
+
+def state_for(prompt: int, held: dict[str, int] | None = None,
+              session: str | None = None, other: dict[str, int] | None = None) -> CycleState:
+    state = CycleState()
+    state.put(TOKEN_IDS, tuple(range(prompt)))
+    if held is not None:
+        state.put(PREFIX_MATCH, PrefixMatch(prompt, held, other or {}, True))
+    if session is not None:
+        state.put(SESSION_KEY, session)
+    return state
+
+
+def best(s: KvPlacementScorer, state: CycleState, eps: list[Endpoint]) -> str:
+    scores = s.score(req(), state, eps)
+    return max(scores, key=lambda e: scores[e])
+
+
+# (case, inserted-so-far per engine, prompt, held per engine, expected engine)
+CASES = [
+    ("a prefix every engine holds does not decide: cold goes to the least rewritten cache",
+     {"e0": 3000, "e1": 500}, 4000, {"e0": 2000, "e1": 2000}, "e1"),
+    ("the first engine to cache a shared prompt does not attract new sessions",
+     {"e0": 2500, "e1": 0}, 4000, {"e0": 2000, "e1": 0}, "e1"),
+    ("a session stays where its prefix lives while the excess pressure is smaller",
+     {"e0": 3000, "e1": 1000}, 6000, {"e0": 5000, "e1": 2000}, "e0"),
+    ("... and moves once that engine's excess insertion outweighs the prefix",
+     {"e0": 8000, "e1": 1000}, 6000, {"e0": 5000, "e1": 2000}, "e1"),
+    ("no match data: pressure alone", {"e0": 100, "e1": 50}, 1000, None, "e1"),
+]
+
+
+@pytest.mark.parametrize(("case", "inserted", "prompt", "held", "expected"), CASES,
+                         ids=[c[0] for c in CASES])
+def test_placement_decisions(case: str, inserted: dict[str, int], prompt: int,
+                             held: dict[str, int] | None, expected: str) -> None:
+    s = scorer(half_life_caches=1e9)  # no decay inside one table row
+    eps = [ep("e0"), ep("e1")]
+    s.score(req(), state_for(1), eps)  # learn the capacities
+    for engine, tokens in inserted.items():
+        s.ledger.add(engine, tokens, 1e12)
+    assert best(s, state_for(prompt, held), eps) == expected, case
+
+
+def test_costs_are_tokens_of_recompute_queue_and_pressure() -> None:
+    load = load_scorer()
+    p = KvPlacementScorer.Params.model_validate(
+        {"default_capacity_tokens": CAP, "load": "token-load-scorer", "half_life_caches": 1e9})
+    s = KvPlacementScorer("kv-placement-scorer", p, Lookup({"token-load-scorer": load}))
+    eps = [ep("e0"), ep("e1")]
+    s.score(req(), state_for(1), eps)
+    s.ledger.add("e0", 1000, 1e12)
+    load.tracker.charge("other", [_charge("e1", 700)], 0.0)
+    state = state_for(3000, {"e0": 2500, "e1": 500})
+    costs = s.place(req(), state, eps).costs
+    assert costs["e0"] == pytest.approx(500 + 0 + 1000)  # miss + queue + excess pressure
+    assert costs["e1"] == pytest.approx(2500 + 700 + 0)
+
+
+def _charge(engine: str, prefill: int) -> Any:
+    from plugins.token_load import Charge
+    return Charge(engine, prefill, 0)
+
+
+def test_a_busy_home_is_left_when_waiting_costs_more_than_recomputing() -> None:
+    load = load_scorer()
+    p = KvPlacementScorer.Params.model_validate({"load": "token-load-scorer"})
+    s = KvPlacementScorer("kv-placement-scorer", p, Lookup({"token-load-scorer": load}))
+    eps = [ep("e0"), ep("e1")]
+    state = state_for(3000, {"e0": 2000, "e1": 0})
+    assert best(s, state, eps) == "e0"
+    load.tracker.charge("long", [_charge("e0", 2500)], 0.0)
+    assert best(s, state_for(3000, {"e0": 2000, "e1": 0}), eps) == "e1"
+
+
+def test_other_tiers_count_at_their_weight() -> None:
+    s = scorer(other_tier_weight=0.5)
+    eps = [ep("e0"), ep("e1")]
+    costs = s.place(req(), state_for(1000, {"e0": 0, "e1": 400}, other={"e0": 1000}), eps).costs
+    assert costs == {"e0": pytest.approx(500), "e1": pytest.approx(600)}
+
+
+def test_capacity_configured_then_reported_then_default() -> None:
+    s = scorer(capacity_tokens={"e0": 123})
+    reported = dataclasses.replace(
+        ep("e1"), metrics=EngineMetrics(extra={"kv_capacity_tokens": 4096.0}))
+    assert (s.capacity(ep("e0")), s.capacity(reported), s.capacity(ep("e2"))) == (123, 4096, CAP)
+
+
+def test_larger_caches_take_proportionally_more_cold_work() -> None:
+    big = dataclasses.replace(
+        ep("big"), metrics=EngineMetrics(extra={"kv_capacity_tokens": 30_000.0}))
+    small = dataclasses.replace(
+        ep("small"), metrics=EngineMetrics(extra={"kv_capacity_tokens": 10_000.0}))
+    s = scorer()
+    placed = {"big": 0, "small": 0}
+    for i in range(400):
+        state = state_for(1000 + i % 7)  # cold requests, no match data
+        target = best(s, state, [big, small])
+        placed[target] += 1
+        decision = RoutingDecision(target=big if target == "big" else small)
+        _run(s.before_dispatch(req(body={"max_tokens": 0}), state, decision))
+    assert placed["big"] / placed["small"] == pytest.approx(3.0, rel=0.1)
+
+
+def test_ledger_decays_by_fleet_insertions_not_time() -> None:
+    ledger = InsertionLedger()
+    ledger.add("e0", 1000, half_life=1000)
+    assert ledger.value("e0", 1000) == 1000
+    ledger.add("e1", 1000, half_life=1000)  # the fleet inserted one half-life since
+    assert ledger.value("e0", 1000) == pytest.approx(500)
+    assert ledger.value("e1", 1000) == 1000
+    ledger.add("e0", 0, half_life=1000)  # nothing inserted: nothing decays
+    assert ledger.value("e0", 1000) == pytest.approx(500)
+    ledger.add("e0", 1000, half_life=1000)  # its own insertion ages its older tokens
+    assert ledger.value("e0", 1000) == pytest.approx(250 + 1000)
+    ledger.forget("e0")
+    assert ledger.value("e0", 1000) == 0.0
+    assert math.isclose(ledger.total, 3000)
+
+
+def test_dispatch_charges_prefill_and_decode_engines() -> None:
+    s = scorer(half_life_caches=1e9)
+    eps = [ep("p0"), ep("d0")]
+    state = state_for(3000, {"p0": 1000, "d0": 2000})
+    s.score(req(), state, eps)
+    decision = RoutingDecision(target=eps[1], prefill=eps[0])
+    _run(s.before_dispatch(req(body={"max_tokens": 10}), state, decision))
+    assert s.ledger.value("p0", 1e12) == pytest.approx(2000)  # its miss
+    assert s.ledger.value("d0", 1e12) == pytest.approx(1000 + 10)  # KV transferred + output
+    assert s.stats.decisions == {"home": 1, "moved": 0, "cold": 0}
+
+
+def test_session_pin_breaks_ties_and_is_bounded() -> None:
+    s = scorer(max_sessions=2, pin_tokens=256)
+    eps = [ep("e0"), ep("e1")]
+    for session, engine in (("a", "e1"), ("b", "e0"), ("c", "e1")):
+        state = state_for(100, {}, session=session)
+        _run(s.before_dispatch(req(body={"max_tokens": 0}), state,
+                               RoutingDecision(target=eps[int(engine[1])])))
+    assert s.stats.pins_evicted == 1  # "a" went first
+    state = state_for(100, {}, session="b")
+    costs = s.place(req(), state, eps).costs
+    assert costs["e0"] < costs["e1"]  # pinned, although e0 and e1 are otherwise close
+    s.on_endpoints_changed([], [eps[0]])
+    assert s.place(req(), state_for(100, {}, session="b"), [eps[1]]).costs["e1"] > 0
+
+
+def test_score_is_one_for_the_cheapest_and_records_the_placement() -> None:
+    s = scorer()
+    eps = [ep("e0"), ep("e1"), ep("e2")]
+    state = state_for(1000, {"e0": 1000, "e1": 500, "e2": 0})
+    scores = s.score(req(), state, eps)
+    assert scores == {"e0": 1.0, "e1": pytest.approx(0.5), "e2": 0.0}
+    placement = state.get(PLACEMENT)
+    assert placement is not None and placement.home == "e0"
+    assert s.score(req(), state_for(10, {}), eps) == dict.fromkeys(["e0", "e1", "e2"], 1.0)
+
+
+def test_metrics_reach_prometheus() -> None:
+    s = scorer()
+    eps = [ep("e0")]
+    state = state_for(500, {"e0": 0})
+    s.score(req(), state, eps)
+    _run(s.before_dispatch(req(body={"max_tokens": 0}), state, RoutingDecision(target=eps[0])))
+    registry = CollectorRegistry()
+    registry.register(s.collector())
+    text = generate_latest(registry).decode()
+    assert 'kvgate_placement_decisions_total{kind="cold"} 1.0' in text
+    assert 'kvgate_placement_pressure{engine="e0"} 0.05' in text
+    assert 'kvgate_placement_capacity_tokens{engine="e0"} 10000.0' in text
+
+
+def test_load_must_name_a_token_load_scorer() -> None:
+    from middleware.errors import ConfigError
+    p = KvPlacementScorer.Params.model_validate({"load": "x"})
+    with pytest.raises(ConfigError, match="not a token-load-scorer"):
+        KvPlacementScorer("kv-placement-scorer", p, Lookup({"x": object()}))
+
+
+def _run(coro: Any) -> None:
+    import asyncio
+    asyncio.run(coro)
