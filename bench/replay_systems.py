@@ -59,7 +59,13 @@ class SystemSpec:
 
     @property
     def uses_events(self) -> bool:
-        return self.kind == "kvgate" and self.policy in {"prefix", "default", "default-noguard"}
+        return self.kind == "kvgate" and self.policy in {
+            "prefix", "v1-default", "v1-default-noguard", "quickstart"}
+
+    @property
+    def quick_start(self) -> bool:
+        """Run as users run the default: ``kvgate serve --engine URL ...`` flags, no config."""
+        return self.kind == "kvgate" and self.policy.startswith("quickstart")
 
 
 SYSTEMS: Mapping[str, SystemSpec] = {s.name: s for s in (
@@ -67,9 +73,14 @@ SYSTEMS: Mapping[str, SystemSpec] = {s.name: s for s in (
     SystemSpec("kvgate-least-load", "kvgate", "least-load"),
     SystemSpec("kvgate-session", "kvgate", "session"),
     SystemSpec("kvgate-prefix", "kvgate", "prefix"),
-    SystemSpec("kvgate-default", "kvgate", "default"),
-    # the default profile without its token-imbalance-filter: what the guard costs and buys
-    SystemSpec("kvgate-default-noguard", "kvgate", "default-noguard"),
+    # the default: `kvgate serve --engine ... --kv-events-bind ...` (capacity-aware placement,
+    # precise from the engines' KV events) and without events (approximate: its own record)
+    SystemSpec("kvgate-default", "kvgate", "quickstart"),
+    SystemSpec("kvgate-default-approx", "kvgate", "quickstart-approx"),
+    # the first tranche's documented profile (prefix 3 / load 2 / session 1 + imbalance filter)
+    # and the same without its token-imbalance-filter
+    SystemSpec("kvgate-v1-default", "kvgate", "v1-default"),
+    SystemSpec("kvgate-v1-default-noguard", "kvgate", "v1-default-noguard"),
     SystemSpec("sglang-router-cache_aware", "sglang-router", "cache_aware"),
     SystemSpec("vllm-router-consistent_hash", "vllm-router", "consistent_hash"),
     SystemSpec("vllm-router-cache_aware", "vllm-router", "cache_aware"),
@@ -118,12 +129,12 @@ def _policy_plugins(
         return _compose([], [], [(_plugin("session-affinity-scorer"), 1.0)])
     if policy == "prefix":
         return _compose(precise, [], [(_plugin("prefix-cache-scorer"), 1.0)])
-    if policy in {"default", "default-noguard"}:  # docs/routing.md, "The default profile"
+    if policy in {"v1-default", "v1-default-noguard"}:  # the first tranche's default
         tune = tuning or DefaultTuning()
         prefix, load, session = tune.weights
         guard = [_plugin("token-imbalance-filter", **(tune.guard or {}))]
         return _compose(
-            precise, guard if policy == "default" else [],
+            precise, guard if policy == "v1-default" else [],
             [(_plugin("prefix-cache-scorer"), prefix), (_plugin("token-load-scorer"), load),
              (_plugin("session-affinity-scorer"), session)])
     raise ValueError(f"unknown kvgate policy {policy!r}")
@@ -138,7 +149,8 @@ def kvgate_config(
     return {
         "server": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
         "pool": {"health_interval_s": 1.0, "metrics_interval_s": 1.0},
-        "engines": [{"name": f"e{i}", "url": u, "models": [MODEL]} for i, u in enumerate(urls)],
+        "engines": [{"name": f"engine-{i}", "url": u, "models": [MODEL]}
+                    for i, u in enumerate(urls)],
         "plugins": plugins,
         "profiles": [{"name": "default", "plugins": refs}],
     }
@@ -146,7 +158,8 @@ def kvgate_config(
 
 def sim_argv(i: int, port: int, fleet: FleetSpec, events: str | None) -> list[str]:
     """Command line of engine ``e<i>``."""
-    argv = [sys.executable, "-m", "engines.sim", "--port", str(port), "--engine-id", f"e{i}",
+    argv = [sys.executable, "-m", "engines.sim", "--port", str(port),
+            "--engine-id", f"engine-{i}",
             "--model", MODEL, "--block-size", str(fleet.block_size),
             "--capacity-blocks", str(fleet.capacity_blocks),
             "--max-model-len", str(fleet.max_model_len), "--time-scale", str(fleet.time_scale),
@@ -201,7 +214,11 @@ def system_running(
     with fleet_running(fleet, events, logs) as urls:
         port = procs.free_port()
         base = f"http://127.0.0.1:{port}"
-        if spec.kind == "kvgate":
+        if spec.quick_start:
+            argv = [str(Path(sys.executable).parent / "kvgate"), "serve", "--port", str(port)]
+            argv += [a for u in urls for a in ("--engine", u)]
+            argv += ["--kv-events-bind", events] if events else []
+        elif spec.kind == "kvgate":
             config = logs / "kvgate.json"
             config.write_text(json.dumps(
                 kvgate_config(spec.policy, urls, port, events or "", fleet.block_size, tuning),

@@ -58,7 +58,7 @@ def _producers(qs: QuickStart) -> list[dict[str, Any]]:
 
 
 def _prefix_params(qs: QuickStart) -> dict[str, Any]:
-    return {"mode": "precise" if qs.precise else "approximate"}
+    return {"mode": "auto"}
 
 
 _COMMON = [{"ref": "health-filter"}, {"ref": "model-filter"}]

@@ -30,7 +30,7 @@ def test_replay_end_to_end(tmp_path: Path) -> None:
     assert row["engine_hit_ratio"] == pytest.approx(row["hit_ratio"], rel=0.05)
     assert row["gateway_counters"]["kvgate_kv_events_applied_total"] > 0
     assert row["imbalance"] >= 1.0 and row["ttft_p50"] is not None
-    assert {o[4] for o in result["outcomes"]["kvgate-default"]} <= {"e0", "e1"}
+    assert {o[4] for o in result["outcomes"]["kvgate-default"]} <= {"engine-0", "engine-1"}
     written = json.loads(next(tmp_path.glob("replay-*.json")).read_text())
     assert written["results"]["conversation"]["systems"] == result["systems"]
     charts = list(tmp_path.glob("replay-*.png"))  # the chart needs the bench extra's matplotlib
