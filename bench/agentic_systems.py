@@ -1,0 +1,187 @@
+"""The systems of the KV-pressure benchmark, each in front of the same running vLLM engines.
+
+* ``kvgate-default``: exactly what a user runs, ``kvgate serve --engine URL1 --engine URL2``;
+* ``kvgate-precise``: ``kvgate serve --engine ... --kv-events ADDR1 --kv-events ADDR2
+  --tokenizer MODEL_DIR`` (the engines' own bound KV-event sockets, in ``--engine`` order);
+* ``random``: health + model filters and ``max-score-picker`` with no scorer: every engine ties
+  at 0 and the picker breaks ties with the scheduler's seeded RNG, a uniform cache-blind spread
+  (one mode: nothing in it reads headers). Not ``weighted-random-picker``: with all scores 0 its
+  keys ``u ** (1 / 1e-6)`` underflow to 0.0 and the stable sort sends everything to the first
+  engine (seen here: 102 of 102 requests on engine-0);
+* ``session-pin``: ``session-affinity-scorer`` alone with a load bound no run reaches
+  (``load_factor`` 1000): pure rendezvous pinning of each session (headers only);
+* ``vllm-router-cache_aware``: the peer router (venv from :mod:`bench.venvs`), optional.
+
+Config-file systems name the engines ``engine-<i>`` like ``kvgate serve --engine`` does, so the
+``x-kvgate-engine`` response header means the same in every kvgate run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench import procs, venvs
+from bench.replay_metrics import parse_prometheus
+
+KVGATE = str(Path(sys.executable).parent / "kvgate")
+CPUS = "0-1"  # the gateway floats over both cores, like the load generator
+HEADERS, NO_HEADERS = "headers", "no-headers"
+#: Engine counters read before and after each run (labels summed).
+ENGINE_METRICS = ("vllm:request_success_total", "vllm:prompt_tokens_total",
+                  "vllm:prompt_tokens_cached_total", "vllm:num_preemptions_total")
+#: Effectively no load bound for session-pin: pinning must never move a session.
+PIN_LOAD_FACTOR = 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    """The running engines: URLs, bound KV-event addresses (same order), model folder."""
+
+    urls: tuple[str, ...]
+    kv_events: tuple[str, ...]
+    model_dir: Path
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
+class System:
+    name: str
+    modes: tuple[str, ...]
+    kind: str  # "serve" (kvgate flags), "config" (kvgate --config), "vllm-router"
+
+
+SYSTEMS: Mapping[str, System] = {s.name: s for s in (
+    System("kvgate-default", (HEADERS, NO_HEADERS), "serve"),
+    System("kvgate-precise", (HEADERS, NO_HEADERS), "serve"),
+    System("random", (NO_HEADERS,), "config"),
+    System("session-pin", (HEADERS,), "config"),
+    System("vllm-router-cache_aware", (NO_HEADERS,), "vllm-router"),
+)}
+DEFAULT_SYSTEMS = ("kvgate-default", "kvgate-precise", "random", "session-pin")
+
+
+def serve_argv(name: str, fleet: Fleet, port: int) -> list[str]:
+    """``kvgate serve --engine ...`` as a user types it (plus where to listen)."""
+    argv = [KVGATE, "serve", *(a for u in fleet.urls for a in ("--engine", u))]
+    if name == "kvgate-precise":
+        argv += [a for e in fleet.kv_events for a in ("--kv-events", e)]
+        argv += ["--tokenizer", str(fleet.model_dir)]
+    return [*argv, "--host", "127.0.0.1", "--port", str(port)]
+
+
+def _profile(plugins: list[dict[str, Any]], weights: Mapping[str, float]) -> dict[str, Any]:
+    refs = [{"ref": p["type"], **({"weight": weights[p["type"]]} if p["type"] in weights
+                                  else {})} for p in plugins]
+    return {"plugins": plugins, "profiles": [{"name": "default", "plugins": refs}]}
+
+
+def config(name: str, fleet: Fleet, port: int) -> dict[str, Any]:
+    """The ``kvgate serve --config`` document of a config system."""
+    base = [{"type": "health-filter"}, {"type": "model-filter"}]
+    if name == "random":
+        profile = _profile([*base, {"type": "max-score-picker"}], {})
+    elif name == "session-pin":
+        pin = {"type": "session-affinity-scorer",
+               "params": {"load_factor": PIN_LOAD_FACTOR, "load_slack": PIN_LOAD_FACTOR}}
+        profile = _profile([*base, pin, {"type": "max-score-picker"}],
+                           {"session-affinity-scorer": 1.0})
+    else:
+        raise ValueError(f"{name} is not a config system")
+    return {"server": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
+            "engines": [{"name": f"engine-{i}", "url": u} for i, u in enumerate(fleet.urls)],
+            **profile}
+
+
+def vllm_router_argv(fleet: Fleet, port: int, root: Path) -> list[str]:
+    program = venvs.bin_path(venvs.VLLM_ROUTER, "vllm-router", root)
+    return [str(program), "--worker-urls", *fleet.urls, "--policy", "cache_aware",
+            "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(procs.free_port()), "--log-level", "warning"]
+
+
+def argv_for(system: System, fleet: Fleet, port: int, logs: Path, root: Path) -> list[str]:
+    if system.kind == "serve":
+        return serve_argv(system.name, fleet, port)
+    if system.kind == "config":
+        path = logs / f"{system.name}.json"
+        path.write_text(json.dumps(config(system.name, fleet, port), indent=1))
+        return [KVGATE, "serve", "--config", str(path)]
+    venvs.ensure(venvs.VLLM_ROUTER, root)
+    return vllm_router_argv(fleet, port, root)
+
+
+@contextlib.contextmanager
+def running(system: System, fleet: Fleet, logs: Path, root: Path) -> Iterator[str]:
+    """Start ``system`` in front of ``fleet``; yields its base URL once it serves the model."""
+    logs.mkdir(parents=True, exist_ok=True)
+    port = procs.free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = logs / f"{system.name}.log"
+    with procs.running(argv_for(system, fleet, port, logs, root), CPUS, log) as proc:
+        procs.wait_healthy(base + "/health", proc, 120.0, log)
+        if system.kind != "vllm-router":
+            procs.wait_healthy(base + "/v1/models", proc, 120.0, log, fleet.model.encode())
+        time.sleep(1.0)  # KV-event subscriptions connect asynchronously
+        yield base
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        body: bytes = resp.read()
+        return body.decode()
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    """One engine's request, prompt, cached and preemption counters."""
+    return parse_prometheus(_get(url + "/metrics"), ENGINE_METRICS)
+
+
+def counter_deltas(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    """Requests, prefill (computed prompt) tokens and preemptions between two readings."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ENGINE_METRICS}
+    return {"requests": d["vllm:request_success_total"],
+            "prefill_tokens": d["vllm:prompt_tokens_total"] - d["vllm:prompt_tokens_cached_total"],
+            "preemptions": d["vllm:num_preemptions_total"]}
+
+
+def kv_blocks(url: str) -> int | None:
+    """The engine's KV capacity in blocks (``vllm:cache_config_info`` label ``num_gpu_blocks``)."""
+    text = _get(url + "/metrics")
+    match = re.search(r'vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', text)
+    return int(match.group(1)) if match else None
+
+
+def predictions(url: str) -> dict[str, float]:
+    """kvgate's ``kvgate_kv_predictions_total`` by ``result`` (engines summed): how its
+    predicted cached tokens compared with the engines' reports; {} for other systems."""
+    try:
+        text = _get(url + "/metrics")
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvgate_kv_predictions_total":
+                result = sample.labels.get("result", "?")
+                out[result] = out.get(result, 0.0) + sample.value
+    return out
+
+
+def health(url: str) -> dict[str, Any]:
+    """The system's ``/health`` document ({} when it is not JSON)."""
+    try:
+        doc = json.loads(_get(url + "/health"))
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
