@@ -12,8 +12,13 @@ Two shapes exist:
 * sequential (``concurrent = False``, e.g. vLLM NixlConnector): the prefill hop runs first and
   its JSON answer (its ``kv_transfer_params``) shapes the decode hop;
 * concurrent (``concurrent = True``, e.g. vLLM MooncakeConnector, SGLang): both hops are sent at
-  once with a shared rendezvous (request id, bootstrap address and room) and the decode engine
+  once with a shared rendezvous (transfer id or room, bootstrap address) and the decode engine
   pulls the KV when the prefill is done; ``decode_body`` then gets no prefill answer.
+
+Before either hop, :meth:`Connector.prepare` may do the I/O a protocol needs to set the
+rendezvous up (vLLM Mooncake: ask the prefill engine's bootstrap server for its engine id); it
+is the connector's only I/O, and :meth:`Connector.hop_failed` tells it when a hop failed so it
+can drop what it cached.
 
 Usage accounting: the client's (and billing's) ``prompt_tokens_details.cached_tokens`` is the
 prefill engine's *local* cache hit, never the KV the decode engine received (see
@@ -26,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
+import aiohttp
 from pydantic import BaseModel
 
 from middleware.types import Endpoint, InferenceRequest
@@ -41,18 +47,22 @@ class HopContext:
     """What both hops of one request share.
 
     ``request_id`` goes out as ``X-Request-Id`` on both hops; ``room`` is a random integer in
-    [0, 2^63 - 1] drawn by the gateway's seeded RNG (SGLang's ``bootstrap_room``).
+    [0, 2^63 - 1] drawn by the gateway's seeded RNG for each attempt (SGLang's
+    ``bootstrap_room``; part of vLLM Mooncake's ``transfer_id``). ``prefill_engine_id`` is the
+    prefill engine's own KV-transfer id when :meth:`Connector.prepare` learned one.
     """
 
     request_id: str
     prefill: Endpoint
     decode: Endpoint
     room: int
+    prefill_engine_id: str | None = None
 
 
 @runtime_checkable
 class Connector(Protocol):
-    """Shapes the two hops of a disaggregated request. Pure: no I/O, no clock.
+    """Shapes the two hops of a disaggregated request. Shaping is pure (no I/O, no clock);
+    :meth:`prepare` is the one place for I/O.
 
     ``Params`` is the pydantic model of ``disaggregation.params``; the class is built as
     ``cls(params)``.
@@ -82,6 +92,17 @@ class Connector(Protocol):
 
     def prefill_hit(self, prefill_answer: Mapping[str, Any]) -> int | None:
         """Prompt tokens the prefill engine found in its own cache (``None``: not reported)."""
+        ...
+
+    async def prepare(self, session: aiohttp.ClientSession, ctx: HopContext) -> HopContext:
+        """Called before either hop is sent; returns the context both hops are shaped with
+        (most connectors return ``ctx`` unchanged). Raise :class:`TransferUnavailable` when the
+        transfer cannot be set up: the gateway then decodes locally (counted as a fallback)."""
+        ...
+
+    def hop_failed(self, ctx: HopContext) -> None:
+        """A hop of the request shaped with ``ctx`` failed: drop whatever :meth:`prepare`
+        cached for its prefill engine, so the next request asks again."""
         ...
 
 

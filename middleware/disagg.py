@@ -9,6 +9,11 @@ connector's decode body and a :class:`UsageRewriter`.
   decode body from it, forward decode.
 * Concurrent connectors: start the prefill hop as a task and forward decode at once.
 
+Before either hop the connector's ``prepare`` runs (its I/O, e.g. vLLM Mooncake's bootstrap
+query); when it raises :class:`TransferUnavailable` no hop is sent and the request is decoded
+locally. A hop that fails is reported to the connector (``hop_failed``) so it drops what it
+cached about that prefill engine.
+
 Fallback: a prefill hop that fails (engine error, unreachable, an answer without transfer
 parameters) is logged and counted, and the request is decoded locally by the decode engine
 (a plain single-hop forward, no usage rewrite). For concurrent connectors this happens only if
@@ -121,6 +126,14 @@ class TwoHop:
         forward: Forward, progress: Progress, done: PrefillDone | None = None,
     ) -> None:
         ctx = self.context(req, decision)
+        try:
+            ctx = await self.connector.prepare(session, ctx)
+        except TransferUnavailable as err:
+            self._fallback(req, ctx, _why(err))
+            if done is not None:
+                await done(False)  # no prefill hop was sent: release what dispatch charged
+            await forward(None, None, progress)
+            return
         prefill = self._prefill if done is None else _reporting(self._prefill, done)
         if self.connector.concurrent:
             await self._concurrent(prefill, session, req, ctx, forward, progress)
@@ -175,6 +188,7 @@ class TwoHop:
             answer = await prefill(session, req, ctx, hit)
             body = self._decode_body(req, ctx, answer)
         except (UpstreamError, UpstreamHTTPError, TransferUnavailable) as err:
+            self.connector.hop_failed(ctx)
             self._fallback(req, ctx, _why(err))
             await forward(None, None, progress)
             return
@@ -201,16 +215,21 @@ class TwoHop:
         try:
             await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
             err = _failure(prefill)
-            if err is not None and not decode.done() and progress.first_byte_at is None:
-                await _cancel(decode)
-                self._fallback(req, ctx, err)
-                progress.headers[:] = headers
-                await forward(None, None, progress)
-                return
             if err is not None:
+                self.connector.hop_failed(ctx)
+                if not decode.done() and progress.first_byte_at is None:
+                    await _cancel(decode)
+                    self._fallback(req, ctx, err)
+                    progress.headers[:] = headers
+                    await forward(None, None, progress)
+                    return
                 log.warning("request %s: prefill on %s failed after decode started: %s",
                             req.request_id, ctx.prefill.id, err)
-            await decode
+            try:
+                await decode
+            except Exception:
+                self.connector.hop_failed(ctx)  # e.g. a stale rendezvous the decode rejected
+                raise
             self._tally("two_hop")
         finally:
             if not prefill.done():

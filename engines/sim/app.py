@@ -3,7 +3,8 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE), ``GET
 /v1/models``, ``GET /health``, ``GET /metrics``, ``POST /reset_prefix_cache`` (as vLLM's dev
 endpoint), and the simulator's own ``GET|POST|DELETE /sim/faults`` (:mod:`engines.sim.faults`)
-and ``GET /sim/state``.
+and ``GET /sim/state``. A prefill-role engine with ``pd.bootstrap_port`` set also serves the
+Mooncake bootstrap server on that port (:mod:`engines.sim.bootstrap`), started by the lifespan.
 
 Request path (one inference request): fault checks → parse (:mod:`engines.sim.protocol`) →
 :meth:`_Api.execute` hands the request to the engine according to the engine's ``role`` →
@@ -31,16 +32,21 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from engines.sim.bootstrap import BootstrapServer
 from engines.sim.config import SimConfig
 from engines.sim.engine import EngineDead, EngineOverloaded, RequestHandle, SimEngine
 from engines.sim.faults import FaultSpec, FaultState
 from engines.sim.metrics import render_metrics
 from engines.sim.pd import (
+    InvalidTransferParams,
     KvBoard,
+    PdStats,
     Transfer,
     fetch_transfer,
     is_prefill_request,
     nixl_answer_params,
+    offers_kv,
+    take_transfer,
     transfer_key,
     transfer_seconds,
 )
@@ -55,7 +61,7 @@ from engines.sim.protocol import (
     sse,
 )
 from engines.sim.scheduler import SeqSpec
-from engines.sim.streaming import EventStreamResponse, until_done_or_disconnect
+from engines.sim.streaming import EventStreamResponse, until_done_or_disconnect, watch_disconnect
 
 #: Largest request body accepted, in bytes (413 past it): a 32k-token prompt is ~130 KB of
 #: text or ~200 KB of token ids, so 16 MiB leaves room for anything sane.
@@ -72,6 +78,10 @@ class SimHandles:
     faults: FaultState
     #: Finished prefills awaiting their decode engine (prefill role, concurrent protocols).
     board: KvBoard
+    #: Decode-side transfer counters.
+    pd: PdStats
+    #: The Mooncake bootstrap server (prefill role with ``pd.bootstrap_port``), else None.
+    bootstrap: BootstrapServer | None = None
 
 
 def sim_handles(app: Starlette) -> SimHandles:
@@ -129,6 +139,8 @@ class _Api:
             handle, transfer = await self.execute(req, request_id)
         except ApiError as exc:
             return _error(exc, headers)
+        except InvalidTransferParams:
+            return await self._park(request, headers)
         prefix = "chatcmpl-" if api == "chat" else "cmpl-"
         shaper = Shaper(req, prefix + request_id, int(time.time()),
                         self.config.enable_prompt_tokens_details)
@@ -149,7 +161,7 @@ class _Api:
             max_tokens, min_tokens = 1, 0
         elif self.config.role == "decode":
             async with aiohttp.ClientSession() as session:
-                transfer = await fetch_transfer(req, session, self.config.pd)
+                transfer = await fetch_transfer(req, session, self.config.pd, self.h.pd)
             if transfer is not None:
                 seconds = transfer_seconds(transfer.tokens, self.config.pd)
                 await asyncio.sleep(seconds * self.config.time_scale)
@@ -163,12 +175,22 @@ class _Api:
         except (EngineOverloaded, EngineDead) as exc:
             raise ApiError(503, str(exc)) from None
 
+    async def _park(self, request: Request, headers: dict[str, str]) -> Response:
+        """A Mooncake decode request vLLM would leave waiting for KV nobody sends
+        (engines/sim/pd.py): held until its client disconnects, never computed."""
+        self.h.pd.parked += 1
+        try:
+            await watch_disconnect(request.receive, lambda: None)
+        finally:
+            self.h.pd.parked -= 1
+        return _error(ApiError(503, "request aborted"), headers)  # unsent: the client is gone
+
     def _finish_prefill(self, run: _Run) -> None:
         """Prefill role: offer the finished prefill to its decode engine (or withdraw it)."""
         key = transfer_key(run.req)
         if self.config.role != "prefill" or key is None:
             return
-        if run.handle.finish_reason in (None, "abort"):
+        if not offers_kv(key, run.handle.finish_reason):
             self.h.board.fail(key)
         else:
             self.h.board.publish(key, Transfer(run.handle.prompt_tokens,
@@ -203,11 +225,7 @@ class _Api:
     async def kv_transfer(self, request: Request) -> Response:
         """Prefill role: a decode engine's long poll for a finished prefill (engines/sim/pd.py)."""
         key = request.path_params["key"]
-        try:
-            wait = min(float(request.query_params.get("timeout", "30")), 600.0)
-        except ValueError:
-            wait = 30.0
-        transfer = await self.h.board.take(key, wait)
+        transfer = await take_transfer(self.h.board, key, request.query_params.get("timeout"))
         if transfer is None:
             return _error(ApiError(404, f"no finished prefill {key!r}"))
         return JSONResponse({"tokens": transfer.tokens, "prefill_hit": transfer.prefill_hit})
@@ -284,6 +302,8 @@ class _Api:
             "stats": asdict(engine.scheduler.stats),
             "kv_events": None if publisher is None else {
                 "endpoint": publisher.endpoint, **asdict(publisher.stats)},
+            "pd": {**asdict(self.h.pd), "bootstrap": None if self.h.bootstrap is None else {
+                "port": self.h.bootstrap.port, "queries": self.h.bootstrap.queries}},
         })
 
 
@@ -301,6 +321,17 @@ def _usage(handle: RequestHandle) -> Usage:
     return Usage(handle.prompt_tokens, handle.completion_tokens, handle.cached_tokens)
 
 
+def _handles(config: SimConfig) -> SimHandles:
+    """The engine and its companions; a prefill engine with ``pd.bootstrap_port`` gets a
+    Mooncake bootstrap server sharing its board."""
+    board = KvBoard(config.pd.board_limit)
+    pd = config.pd
+    bootstrap = None if config.role != "prefill" or pd.bootstrap_port is None else \
+        BootstrapServer(config.engine_id, board, pd.bootstrap_host, pd.bootstrap_port)
+    return SimHandles(config=config, engine=SimEngine(config), faults=FaultState(),
+                      board=board, pd=PdStats(), bootstrap=bootstrap)
+
+
 def create_sim_app(config: SimConfig) -> Starlette:
     """A vLLM-compatible simulated engine as an ASGI app.
 
@@ -308,18 +339,23 @@ def create_sim_app(config: SimConfig) -> Starlette:
     or lazily by the first request (e.g. under ``httpx.ASGITransport``, which runs no lifespan;
     then close it with ``await sim_handles(app).engine.aclose()``). ``app.state.sim`` (see
     :func:`sim_handles`) holds the engine, the fault state and the config;
-    ``app.state.engine`` is the engine itself.
+    ``app.state.engine`` is the engine itself. The bootstrap server, if any, runs only under
+    the lifespan.
     """
-    handles = SimHandles(config=config, engine=SimEngine(config), faults=FaultState(),
-                         board=KvBoard(config.pd.board_limit))
+    handles = _handles(config)
+    bootstrap = handles.bootstrap
     api = _Api(handles)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         handles.engine.start()
         try:
+            if bootstrap is not None:
+                await bootstrap.start()
             yield
         finally:
+            if bootstrap is not None:
+                await bootstrap.stop()
             await handles.engine.aclose()
 
     routes = [

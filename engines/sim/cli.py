@@ -5,6 +5,8 @@
 benchmark can spread them over cores). With ``--count``, engine *i* gets port ``P + i``, engine
 id ``sim-<port>``, and a *binding* KV-events endpoint's port ``+ i`` (vLLM's data-parallel
 rule); a *connecting* endpoint is shared (every engine connects to the gateway's SUB socket).
+Prefill-role engines serve a Mooncake bootstrap server on ``--bootstrap-port`` (default 8998,
+vLLM's ``VLLM_MOONCAKE_BOOTSTRAP_PORT`` default; ``+ i`` with ``--count``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from engines.sim.config import KvEventsConfig, SimConfig
+from engines.sim.config import KvEventsConfig, PdSimConfig, SimConfig
+
+#: vLLM's default ``VLLM_MOONCAKE_BOOTSTRAP_PORT`` (vllm/envs.py, 0.32).
+DEFAULT_BOOTSTRAP_PORT = 8998
 
 
 def add_sim_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,6 +50,9 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="warning", help="uvicorn log level (warning)")
     p.add_argument("--role", choices=["both", "prefill", "decode"], default="both",
                    help="prefill/decode role (both; see docs/disaggregation.md)")
+    p.add_argument("--bootstrap-port", type=int,
+                   help="prefill role: Mooncake bootstrap server port (default "
+                        f"{DEFAULT_BOOTSTRAP_PORT}; 0: any free port)")
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -67,7 +75,16 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         enable_prompt_tokens_details=not args.no_prompt_tokens_details,
         kv_events=kv_events,
         role=args.role,
+        pd=PdSimConfig(bootstrap_port=_bootstrap_port(args, 0), bootstrap_host=args.host),
     )
+
+
+def _bootstrap_port(args: argparse.Namespace, index: int) -> int | None:
+    """Engine ``index``'s bootstrap port: prefill role only, the base port + ``index``."""
+    if args.role != "prefill":
+        return None
+    base = DEFAULT_BOOTSTRAP_PORT if args.bootstrap_port is None else args.bootstrap_port
+    return base + index if base else 0
 
 
 def serve(config: SimConfig, host: str, port: int, log_level: str = "warning") -> int:
@@ -111,6 +128,9 @@ def child_argv(args: argparse.Namespace, index: int) -> list[str]:
             argv += ["--" + flag.replace("_", "-"), str(value)]
     if args.no_prompt_tokens_details:
         argv.append("--no-prompt-tokens-details")
+    bootstrap = _bootstrap_port(args, index)
+    if bootstrap is not None:
+        argv += ["--bootstrap-port", str(bootstrap)]
     if args.kv_events:
         argv += ["--kv-events", _offset_port(args.kv_events, index)]
     return argv

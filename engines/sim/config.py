@@ -95,6 +95,12 @@ class PdSimConfig(BaseModel):
     wait_timeout_s: float = Field(default=30.0, gt=0)
     #: Finished prefills kept for their decode engine (oldest dropped past it).
     board_limit: int = Field(default=10_000, ge=1)
+    #: Prefill role: port of the Mooncake bootstrap server (``/query``, see
+    #: :mod:`engines.sim.bootstrap`); vLLM's is ``VLLM_MOONCAKE_BOOTSTRAP_PORT``, default 8998.
+    #: 0: any free port (tests); ``None``: no bootstrap server.
+    bootstrap_port: int | None = Field(default=None, ge=0, le=65535)
+    #: Listen address of the bootstrap server.
+    bootstrap_host: str = "127.0.0.1"
 
 
 class SimConfig(BaseModel):

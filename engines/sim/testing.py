@@ -3,7 +3,9 @@
 ``async with serve_sim(SimConfig(time_scale=0)) as sim:`` starts uvicorn on a free loopback
 port in the running loop (with the app's lifespan, so the engine starts and stops with it) and
 yields a :class:`RunningSim`: ``sim.url`` (``http://127.0.0.1:PORT``), ``sim.engine``,
-``sim.faults``. Leaving the block stops the server and closes the engine.
+``sim.faults``, and ``sim.bootstrap_port`` (a prefill engine's Mooncake bootstrap server, when
+``pd.bootstrap_port`` is set; 0 there picks a free port). Leaving the block stops the server
+and closes the engine.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class RunningSim:
     engine: SimEngine
     faults: FaultState
     config: SimConfig
+    #: The bound port of the Mooncake bootstrap server (prefill role), else None.
+    bootstrap_port: int | None = None
 
 
 def _bind_loopback(host: str) -> socket.socket:
@@ -76,8 +80,10 @@ async def serve_sim(
     try:
         await _wait_started(server, task)
         handles = sim_handles(app)
+        bootstrap = None if handles.bootstrap is None else handles.bootstrap.port
         yield RunningSim(url=f"http://{host}:{port}", port=port, app=app,
-                         engine=handles.engine, faults=handles.faults, config=config)
+                         engine=handles.engine, faults=handles.faults, config=config,
+                         bootstrap_port=bootstrap)
     finally:
         server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):

@@ -1,5 +1,7 @@
 """Prefill/decode disaggregation end to end on simulated engines: each connector protocol, the
 usage rewrite (JSON and SSE, both decode conventions), engine errors in either hop, fallback.
+The simulators check vLLM 0.32's Mooncake fields as vLLM does (engines/sim/pd.py): a request
+pairs with its prefill only when they are right (drift and failures: test_pd_mooncake.py).
 
 Engines are in-process simulators on loopback ports (time_scale 0); the gateway runs in-process
 behind httpx.ASGITransport.
@@ -21,24 +23,27 @@ import pytest
 from engines.sim.app import sim_handles
 from engines.sim.config import PdSimConfig, SimConfig
 from engines.sim.faults import FaultSpec
+from engines.sim.pd import PdStats
 from engines.sim.testing import RunningSim, serve_sim
 from middleware.app import KvgateApp
-from middleware.config import pd_config_data
+from middleware.quickstart import pd_config_data
 from plugins.pd_admission import PdAdmission
 from plugins.token_load import TokenLoadScorer
 from tests.integration.billing_helpers import PRICES_YAML, ledger_rows, write_keys
 from tests.integration.conftest import FAST_POOL, gateway, serve_gateway
 
 PROTOCOLS = ["nixl", "mooncake", "sglang"]
+#: Prefill simulators serve a Mooncake bootstrap server on a free port (vLLM: 8998).
+BOOTSTRAP = PdSimConfig(bootstrap_port=0)
 LONG = "Summarize the repository history and every open issue in detail. " * 60  # ~700 tokens
 
 
 @contextlib.asynccontextmanager
 async def pd_fleet(
     protocol: str, prefill: int = 1, decode: int = 1, reports: str = "transferred",
-    **gw_extra: Any,
+    always_prefill: bool = True, **gw_extra: Any,
 ) -> AsyncIterator[tuple[list[RunningSim], list[RunningSim], KvgateApp, httpx.AsyncClient]]:
-    pd = PdSimConfig(decode_reports=reports)
+    pd = PdSimConfig(decode_reports=reports, bootstrap_port=0)
     async with contextlib.AsyncExitStack() as stack:
         pre = [await stack.enter_async_context(serve_sim(SimConfig(
             engine_id=f"p{i}", role="prefill", time_scale=0.0, seed=7, pd=pd)))
@@ -46,7 +51,7 @@ async def pd_fleet(
         dec = [await stack.enter_async_context(serve_sim(SimConfig(
             engine_id=f"d{i}", role="decode", time_scale=0.0, seed=7, pd=pd)))
             for i in range(decode)]
-        data = _pd_data(pre, dec, protocol)
+        data = _pd_data(pre, dec, protocol, always_prefill)
         data.update(gw_extra)
         app, client = await stack.enter_async_context(gateway(data))
         yield pre, dec, app, client
@@ -56,16 +61,25 @@ async def _one_pair(stack: contextlib.AsyncExitStack,
                     time_scale: float) -> tuple[RunningSim, RunningSim]:
     """One simulated prefill engine ``p0`` and one decode engine ``d0``, closed with ``stack``."""
     pre = await stack.enter_async_context(serve_sim(SimConfig(
-        engine_id="p0", role="prefill", time_scale=time_scale)))
+        engine_id="p0", role="prefill", time_scale=time_scale, pd=BOOTSTRAP)))
     dec = await stack.enter_async_context(serve_sim(SimConfig(
         engine_id="d0", role="decode", time_scale=time_scale)))
     return pre, dec
 
 
-def _pd_data(pre: list[RunningSim], dec: list[RunningSim], protocol: str) -> dict[str, Any]:
+def _pd_data(pre: list[RunningSim], dec: list[RunningSim], protocol: str,
+             always_prefill: bool = True) -> dict[str, Any]:
     data = pd_config_data([s.url for s in pre], [s.url for s in dec], protocol)
+    # Most tests exercise the two-hop protocols: every request takes the prefill hop, even when
+    # its decode engine already holds the prompt (which the default preset serves locally:
+    # test_cache_aware_decider_skips_the_hop_when_decode_holds_the_prompt).
+    for plugin in data["plugins"]:
+        if plugin["type"] == "pd-profile-handler" and always_prefill:
+            plugin["params"]["min_uncached_tokens"] = 0
     for eng, sim in zip(data["engines"], [*pre, *dec], strict=True):
-        eng["labels"] = {"bootstrap_port": str(sim.port)}  # the sim's bootstrap is HTTP
+        # SGLang's bootstrap is the simulator's HTTP port; Mooncake's its bootstrap server
+        port = sim.bootstrap_port if protocol == "mooncake" and sim in pre else sim.port
+        eng["labels"] = {"bootstrap_port": str(port)}
     data["pool"] = FAST_POOL
     return data
 
@@ -144,6 +158,8 @@ async def test_two_hops_transfer_kv_and_report_prefill_hit(
         assert dstats.prompt_tokens_external >= prompt - 1
         assert dstats.prompt_tokens_local_compute == 2
         assert results[0][0] == results[1][0] and results[0][0]
+        # both decode requests paired with their prefill (Mooncake: fields as vLLM checks them)
+        assert sim_handles(dec[0].app).pd == PdStats(transfers=2)
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -190,7 +206,7 @@ async def test_decode_failure_is_reported_and_prefill_cleaned_up(protocol: str) 
 
 
 async def test_short_prompt_stays_on_decode() -> None:
-    async with pd_fleet("nixl") as (pre, dec, _app, client):
+    async with pd_fleet("nixl", always_prefill=False) as (pre, dec, _app, client):
         resp, text, usage = await _ask(client, False, content="hi")
         assert resp.status_code == 200 and text
         assert "x-kvgate-prefill-engine" not in resp.headers
@@ -213,8 +229,7 @@ async def _admission_fleet(**params: Any) -> AsyncIterator[tuple[KvgateApp, http
     async with contextlib.AsyncExitStack() as stack:
         pre, dec = await _one_pair(stack, 1.0)
         data = pd_config_data([pre.url], [dec.url], "nixl")
-        data["plugins"] += [{"type": "token-load-scorer"},
-                            {"type": "pd-admission", "params": params}]
+        data["plugins"].append({"type": "pd-admission", "params": params})
         data["pool"] = FAST_POOL
         yield await stack.enter_async_context(gateway(data))
 
@@ -248,7 +263,7 @@ async def test_client_disconnect_cancels_the_prefill(protocol: str) -> None:
     """A client leaving during the prefill hop aborts it on the prefill engine (and, for the
     concurrent protocols, the waiting decode), and releases every in-flight counter."""
     slow = {"time_scale": 20.0, "seed": 7}  # an ~8k-token prefill takes seconds
-    async with serve_sim(SimConfig(engine_id="p0", role="prefill", **slow)) as pre, \
+    async with serve_sim(SimConfig(engine_id="p0", role="prefill", pd=BOOTSTRAP, **slow)) as pre, \
             serve_sim(SimConfig(engine_id="d0", role="decode", **slow)) as dec, \
             serve_gateway(_pd_data([pre], [dec], protocol)) as (app, url):
         body = _body(True, content=LONG * 12)
@@ -306,17 +321,13 @@ async def test_ledger_bills_the_prefill_hit(protocol: str, stream: bool, tmp_pat
 
 
 async def test_cache_aware_decider_skips_the_hop_when_decode_holds_the_prompt() -> None:
-    """With the tokenizer and the prefix index, a repeated prompt stays on the decode engine
-    that received its KV (it holds the prefix): no second prefill hop."""
+    """The P/D quick start (``kvgate serve --prefill --decode``, no tokenizer, no events): its
+    prefix record sees that a repeated prompt is on the decode engine that received its KV, so
+    the request stays there: no second prefill hop."""
     async with contextlib.AsyncExitStack() as stack:
         pre, dec = await _one_pair(stack, 0.0)
-        data = _pd_data([pre], [dec], "nixl")
-        data["plugins"] = [
-            {"type": "tokenizer", "params": {"tokenizer": {"kind": "module", "module": "sim"}}},
-            {"type": "prefix-cache-producer", "params": {"mode": "approximate",
-                                                         "block_size": 16}},
-            {"type": "prefix-cache-scorer"}, *data["plugins"]]
-        data["profiles"][0]["plugins"].insert(-1, {"ref": "prefix-cache-scorer", "weight": 2})
+        data = pd_config_data([pre.url], [dec.url], "nixl")
+        data["pool"] = FAST_POOL
         _app, client = await stack.enter_async_context(gateway(data))
         first, _, _ = await _ask(client, False)
         assert first.headers.get("x-kvgate-prefill-engine") == "prefill-0"
@@ -335,7 +346,6 @@ async def test_prefill_load_released_when_the_prefill_hop_ends(protocol: str) ->
     async with contextlib.AsyncExitStack() as stack:
         pre, dec = await _one_pair(stack, 1.0)
         data = _pd_data([pre], [dec], protocol)
-        data["plugins"].append({"type": "token-load-scorer"})
         app, url = await stack.enter_async_context(serve_gateway(data))
         scorer = app.pipeline.plugins["token-load-scorer"]
         assert isinstance(scorer, TokenLoadScorer)
@@ -349,3 +359,4 @@ async def test_prefill_load_released_when_the_prefill_hop_ends(protocol: str) ->
             assert scorer.tracker.load("decode-0").decode_tokens == 200
             await resp.read()
         await _until(lambda: len(scorer.tracker) == 0)
+
