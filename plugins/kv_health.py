@@ -208,9 +208,15 @@ class IndexHealth:
         self._set(engine, "gap", None)
 
     def unknown_topic(self, topic: str) -> None:
-        """An unattributable message arrived on the bound socket."""
-        self._unknown_at, self._unknown_topic = self.clock(), topic
-        self.tick()
+        """An unattributable message arrived on the bound socket. Engines are re-evaluated
+        when this starts a new episode (or names another topic); later ones only move the
+        hold on (the ticker catches engines whose own events age out meanwhile)."""
+        now = self.clock()
+        fresh = (self._unknown_at is None or topic != self._unknown_topic
+                 or now - self._unknown_at >= self.p.unknown_topic_hold_s)
+        self._unknown_at, self._unknown_topic = now, topic
+        if fresh:
+            self.tick()
 
     def _set(self, engine: str, attr: Literal["gap", "inexact_tokens"], value: str | None) -> None:
         rec = self._engines.get(engine)

@@ -206,7 +206,12 @@ class PrefixCacheProducer(Plugin, DataProducer, DispatchHook, UsageHook, Endpoin
         return self.states.health() if self._owns_health else {}
 
     def collector(self) -> Collector:
-        return self.states.collector() if self._owns_health else _NoMetrics()
+        """The states' metrics in mode auto without a kv-events plugin (every engine
+        ``approximate``: a fallback, so it is exported). Mode approximate exports none: its
+        states never change, and a second producer would register the same names."""
+        if self._owns_health and self.p.mode == "auto":
+            return self.states.collector()
+        return _NoMetrics()
 
     # -- hashing and matching ---------------------------------------------------------------
     def prompt_hashes(
