@@ -15,21 +15,26 @@ in prefill-token equivalents::
 
     miss(e)     = prompt - held(e)                          tokens e must compute and insert
     queue(e)    = in-flight work on e (token-load-scorer)   tokens computed before this one
-    pressure(e) = recent insertions into e / capacity(e)    fraction of e's cache rewritten
-    J(e)        = miss(e) + load_weight · queue(e)
-                  + pressure_weight · capacity(e) · (pressure(e) - min over candidates)
+    pressure(e) = recent insertions into e / capacity(e)    share of e's cache rewritten
+    turnover(e) = (pressure(e) + floor) / (min over candidates of pressure + floor)
+    J(e)        = miss(e) * turnover(e) ** pressure_exponent + load_weight * queue(e)
                   - pin_tokens  if e is the engine the request's session used last
 
 and gives the engine with the lowest ``J`` score 1, the others ``1 - (J - J_min) / spread``.
 
-* Only *differences* of ``J`` matter, so tokens that every engine holds (a shared system
-  prompt) cancel: what decides is what one engine holds *beyond* the others.
+* Inserting a token costs its recompute, scaled by how fast the engine's cache turns over
+  relative to the slowest-turning candidate: in an LRU cache a block's lifetime is inversely
+  proportional to the insertion rate, so a token inserted where blocks live half as long
+  displaces a block twice as likely to be wanted again.
+* Tokens every engine holds (a shared system prompt) are not in anyone's ``miss``: what decides
+  is what one engine holds *beyond* the others, weighed against the pressure there.
 * A request whose prefix no engine holds (a new session, a cold prompt) has equal ``miss``
-  everywhere: it goes where the cache is least rewritten (and least queued) — the fleet's
+  everywhere: it goes where the cache turns over slowest (and queues least) - the fleet's
   working set is spread by footprint against capacity.
-* A request whose prefix lives on one engine stays there ("sticky") until that engine's excess
-  pressure, in tokens, outweighs the prefix it would have to recompute elsewhere, or its queue
-  does ("until saturated"). Long sessions are stickier than short ones, as they should be.
+* A request whose prefix lives on one engine inserts only its new tokens there, so it stays
+  ("sticky") until that engine turns over ``1 + unique prefix / new tokens`` times faster than
+  another, or its queue outweighs the prefix ("until saturated"). A session whose prefix was
+  evicted has nothing to stick to and is placed like cold work.
 * Recent insertions decay by the fleet's own insertions, not by wall time: half of the weight
   is gone after the fleet inserted ``half_life_caches`` x its total capacity. What was inserted
   a fleet-turnover ago has mostly been evicted, and an idle fleet (which evicts nothing) keeps
@@ -147,9 +152,12 @@ class KvPlacementScorer(Plugin, Scorer, DispatchHook, EndpointSetListener, Metri
 
     Params (units in brackets):
 
-    * ``pressure_weight`` [tokens of recompute per token of excess insertion] — 1.0: inserting
-      a token into an engine whose cache turns over faster than another's evicts a block that
-      the other engine would have kept; one such block is worth about the block it displaces.
+    * ``pressure_exponent`` [1] — 1.0: the cost of an inserted token grows linearly with the
+      engine's relative turnover, as the reuse odds of the block it displaces do under LRU (a
+      block lives capacity / insertion rate). 0 disables the pressure term.
+    * ``pressure_floor`` [share of a cache] — 0.05, added to every pressure before taking the
+      ratio: a fleet that just started (pressures near 0) is not steered by a few blocks; in
+      steady state pressures are ~1.4 (half-life of one fleet capacity), far above it.
     * ``half_life_caches`` [fleet capacities] — 1.0: an LRU cache keeps a block for about one
       turnover, so insertions older than one fleet turnover no longer occupy anything.
     * ``load_weight`` [cost tokens per in-flight token] — 1.0: a queued prefill token delays
@@ -171,11 +179,12 @@ class KvPlacementScorer(Plugin, Scorer, DispatchHook, EndpointSetListener, Metri
     """
 
     type_name: ClassVar[str] = "kv-placement-scorer"
-    example_params: ClassVar[Mapping[str, object]] = {"pressure_weight": 1.0}
+    example_params: ClassVar[Mapping[str, object]] = {"pressure_exponent": 1.0}
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid", frozen=True)
-        pressure_weight: float = Field(1.0, ge=0.0)
+        pressure_exponent: float = Field(1.0, ge=0.0)
+        pressure_floor: float = Field(0.05, gt=0.0)
         half_life_caches: float = Field(1.0, gt=0.0)
         load_weight: float = Field(1.0, ge=0.0)
         pin_tokens: int = Field(256, ge=0)
@@ -239,13 +248,13 @@ class KvPlacementScorer(Plugin, Scorer, DispatchHook, EndpointSetListener, Metri
         prompt = prompt_tokens(req, state)
         match = state.get(PREFIX_MATCH)
         held = {ep.id: min(float(prompt), self.held(match, ep.id)) for ep in eps}
-        pressure = {ep.id: self.pressure(ep) for ep in eps}
-        floor = min(pressure.values())
+        pressure = {ep.id: self.pressure(ep) + self.p.pressure_floor for ep in eps}
+        slowest = min(pressure.values())
         pinned = self._pin_of(state.get(SESSION_KEY))
         costs: dict[EndpointId, float] = {}
         for ep in eps:
-            cost = prompt - held[ep.id] + self.p.load_weight * self.queue(ep)
-            cost += self.p.pressure_weight * self.capacity(ep) * (pressure[ep.id] - floor)
+            turnover = (pressure[ep.id] / slowest) ** self.p.pressure_exponent
+            cost = (prompt - held[ep.id]) * turnover + self.p.load_weight * self.queue(ep)
             if ep.id == pinned:
                 cost -= self.p.pin_tokens
             costs[ep.id] = cost

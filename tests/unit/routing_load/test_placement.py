@@ -46,9 +46,9 @@ CASES = [
      {"e0": 3000, "e1": 500}, 4000, {"e0": 2000, "e1": 2000}, "e1"),
     ("the first engine to cache a shared prompt does not attract new sessions",
      {"e0": 2500, "e1": 0}, 4000, {"e0": 2000, "e1": 0}, "e1"),
-    ("a session stays where its prefix lives while the excess pressure is smaller",
+    ("a session stays where its prefix lives while that cache turns over < 1 + held/new faster",
      {"e0": 3000, "e1": 1000}, 6000, {"e0": 5000, "e1": 2000}, "e0"),
-    ("... and moves once that engine's excess insertion outweighs the prefix",
+    ("... and moves once its cache turns over faster than that (5.7x here, limit 4x)",
      {"e0": 8000, "e1": 1000}, 6000, {"e0": 5000, "e1": 2000}, "e1"),
     ("no match data: pressure alone", {"e0": 100, "e1": 50}, 1000, None, "e1"),
 ]
@@ -77,8 +77,9 @@ def test_costs_are_tokens_of_recompute_queue_and_pressure() -> None:
     load.tracker.charge("other", [_charge("e1", 700)], 0.0)
     state = state_for(3000, {"e0": 2500, "e1": 500})
     costs = s.place(req(), state, eps).costs
-    assert costs["e0"] == pytest.approx(500 + 0 + 1000)  # miss + queue + excess pressure
-    assert costs["e1"] == pytest.approx(2500 + 700 + 0)
+    # miss x relative turnover ((0.1 + 0.05) / (0 + 0.05) = 3) + queue
+    assert costs["e0"] == pytest.approx(500 * 3 + 0)
+    assert costs["e1"] == pytest.approx(2500 * 1 + 700)
 
 
 def _charge(engine: str, prefill: int) -> Any:

@@ -1,117 +1,102 @@
-"""docs/routing.md stays true: its default profile parses, and its worked example is what the
-plugins compute (real session-affinity, token-load and imbalance-filter plugins; the prefix score
-is the prefix-cache scorer's formula, device tokens / prompt tokens)."""
+"""docs/routing.md stays true: its default-preset block is what the quick start builds, and its
+worked example is what the real kv-placement-scorer computes, row by row."""
 
 from __future__ import annotations
 
-import itertools
 import re
-from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from middleware.config import parse_config
-from middleware.plugin import Plugin, Scorer
-from middleware.scheduler import Profile, Scheduler, WeightedScorer
-from middleware.types import CycleState, Endpoint, EndpointId, InferenceRequest
-from plugins.session_affinity import hrw_order, session_key
-from plugins.state import PREFIX_MATCH, PrefixMatch
-from plugins.token_load import Charge
-from tests.unit.middleware.fakes import Best
-from tests.unit.routing_load.helpers import (
-    Lookup,
-    fleet,
-    imbalance_filter,
-    load_scorer,
-    req,
-    session_scorer,
+from middleware.quickstart import QuickStart, quick_start_config
+from middleware.types import (
+    Api,
+    CycleState,
+    Endpoint,
+    EngineMetrics,
+    InferenceRequest,
+    RoutingDecision,
 )
+from plugins.placement import PLACEMENT as PLACEMENT_KEY
+from plugins.placement import KvPlacementScorer
+from plugins.state import PREFIX_MATCH, SESSION_KEY, TOKEN_IDS, PrefixMatch
+from tests.unit.routing_load.helpers import Lookup
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "routing.md"
+TOKENIZER = "/models/llama-3.1-8b-instruct"
 
 
-def _default_profile() -> object:
-    text = DOC.read_text()
-    match = re.search(r"<!-- default-profile.*?-->\n```yaml\n(.*?)```", text, re.S)
-    assert match, "docs/routing.md lost its default-profile block"
-    return yaml.safe_load(match.group(1))
+def _block(marker: str, fence: str) -> str:
+    match = re.search(rf"<!-- {marker}.*?-->\n{fence}(.*?)(?:```|\n\n)", DOC.read_text(), re.S)
+    assert match, f"docs/routing.md lost its {marker} block"
+    return match.group(1)
 
 
-def test_default_profile_parses_with_documented_weights() -> None:
-    config = parse_config(_default_profile(), "docs/routing.md")
-    (profile,) = config.profiles
-    weights = {ref.ref: ref.weight for ref in profile.plugins}
-    assert weights == {
-        "health-filter": None, "model-filter": None, "token-imbalance-filter": None,
-        "prefix-cache-scorer": 3, "token-load-scorer": 2, "session-affinity-scorer": 1,
-        "max-score-picker": None,
-    }
-    declared = [p.instance_name for p in config.plugins]
-    assert declared.index("token-load-scorer") < declared.index("token-imbalance-filter")
-    assert declared.index("tokenizer") < declared.index("prefix-cache-producer")
+def test_default_preset_block_is_what_the_quick_start_builds() -> None:
+    documented = parse_config(yaml.safe_load(_block("default-profile", "```yaml\n")), "doc")
+    built = quick_start_config(QuickStart(
+        engines=("http://10.0.0.1:8000", "http://10.0.0.2:8000"), kv_events=("tcp://*:5557",),
+        tokenizer=TOKENIZER))
+    assert documented.plugins == built.plugins
+    assert documented.profiles == built.profiles
+    assert [(e.name, e.url, e.kv_events) for e in documented.engines] == [
+        (e.name, e.url, e.kv_events) for e in built.engines]
 
 
-class PrefixFraction(Plugin, Scorer):
-    type_name = "test-prefix"
-
-    def score(self, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]
-              ) -> Mapping[EndpointId, float]:
-        m = state.require(PREFIX_MATCH)
-        return {e.id: m.device.get(e.id, 0) / m.prompt_tokens for e in eps}
+def _number(cell: str) -> float:
+    return float(cell.replace(",", "").split()[0])
 
 
-def _session_with_order(order: list[str]) -> str:
-    for i in itertools.count():
-        s = f"conversation-{i}"
-        if [e.id for e in hrw_order(session_key(None, "m", s), fleet(4))] == order:
-            return s
-    raise AssertionError("unreachable")
+def _rows() -> list[dict[str, Any]]:
+    rows = []
+    for line in _block("worked-example", "").splitlines()[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        held = [_number(x) for x in cells[2].split("/")]
+        pressure = [_number(x) for x in cells[3].split("/")]
+        rows.append({"session": cells[0].split(",")[0], "prompt": int(_number(cells[1])),
+                     "held": {"e0": int(held[0]), "e1": int(held[1])},
+                     "pressure": {"e0": pressure[0], "e1": pressure[1]},
+                     "costs": {"e0": _number(cells[4]), "e1": _number(cells[5])},
+                     "target": cells[6].split()[0]})
+    return rows
 
 
-SYSTEM = 2048
-#: (case, prompt, held per engine, in-flight work per engine, winner, documented totals)
-EXAMPLES = [
-    ("1 first turn", 2500, {}, {"e0": 6000, "e1": 2000, "e2": 10000, "e3": 4000}, "e2",
-     {"e0": 4.06, "e1": 4.31, "e2": 4.82, "e3": 4.19}),
-    ("2 turn six", 24000, {"e2": 23500}, {"e0": 6000, "e1": 2000, "e2": 11000, "e3": 4000}, "e2",
-     {"e0": 0.55, "e1": 0.79, "e2": 5.24, "e3": 0.67}),
-    ("3 turn six, e2 hot", 24000, {"e2": 23500},
-     {"e0": 6000, "e1": 2000, "e2": 20000, "e3": 4000}, "e0",
-     {"e0": 1.55, "e1": 0.79, "e3": 0.67}),
-    ("4 side call", 8000, {"e1": 7000}, {"e0": 6000, "e1": 2000, "e2": 10000, "e3": 4000}, "e1",
-     {"e0": 2.04, "e1": 4.44, "e2": 2.79, "e3": 2.16}),
-]
+def _request(i: int, prompt: int) -> InferenceRequest:
+    return InferenceRequest(
+        request_id=str(i), api=Api.CHAT, model="m", body={"max_tokens": 32}, headers={},
+        stream=False, client_wants_usage=False, prompt_token_estimate=prompt, received_at=0.0)
 
 
-@pytest.mark.parametrize(("case", "prompt", "held", "work", "winner", "totals"), EXAMPLES,
-                         ids=[c[0] for c in EXAMPLES])
-async def test_worked_example(case: str, prompt: int, held: dict[str, int],
-                              work: dict[str, int], winner: str,
-                              totals: dict[str, float]) -> None:
-    session = _session_with_order(["e2", "e0", "e1", "e3"])
-    sess = session_scorer()
-    load = load_scorer()
-    for engine, tokens in work.items():
-        load.tracker.charge("x", [Charge(engine, tokens, 0)], now=0.0)
-    guard = imbalance_filter(load, max_imbalance=1.25, slack_tokens=4096)
-    prefix = PrefixFraction("prefix-cache-scorer", PrefixFraction.Params(), Lookup())
-    scorers = (WeightedScorer("prefix", prefix, 3.0), WeightedScorer("load", load, 2.0),
-               WeightedScorer("session", sess, 1.0))
-    picker = Best("max-score-picker", Best.Params(), Lookup())
-    scheduler = Scheduler({"p": Profile("p", (("guard", guard),), scorers, picker)}, None, 0)
+async def test_worked_example_is_what_the_plugin_computes() -> None:
+    rows = _rows()
+    assert len(rows) == 5
+    metrics = EngineMetrics(extra={"kv_capacity_tokens": 16_384.0})
+    eps = [Endpoint(id=f"e{i}", url=f"http://e{i}", kind="vllm", metrics=metrics)
+           for i in range(2)]
+    scorer = KvPlacementScorer("kv-placement-scorer", KvPlacementScorer.Params(), Lookup())
+    for i, row in enumerate(rows):
+        state = CycleState()
+        state.put(TOKEN_IDS, tuple(range(row["prompt"])))
+        state.put(PREFIX_MATCH, PrefixMatch(row["prompt"], row["held"], {}, True))
+        state.put(SESSION_KEY, row["session"])
+        pressure = {ep.id: round(scorer.pressure(ep), 3) for ep in eps}
+        scores = scorer.score(_request(i, row["prompt"]), state, eps)
+        placement = state.get(PLACEMENT_KEY)
+        assert placement is not None
+        assert pressure == row["pressure"], row
+        assert {e: round(c) for e, c in placement.costs.items()} == row["costs"], row
+        best = [e for e, s in scores.items() if s == 1.0]
+        assert row["target"] in best and (len(best) == 1 or i == 0), row
+        target = eps[int(row["target"][1])]
+        await scorer.before_dispatch(_request(i, row["prompt"]), state,
+                                     RoutingDecision(target=target))
 
-    r = req({"x-session-affinity": session}, estimate=prompt)
-    state = CycleState()
-    await sess.on_request(r, state)
-    device = {e.id: max(SYSTEM, held.get(e.id, 0)) for e in fleet(4)}
-    state.put(PREFIX_MATCH, PrefixMatch(prompt, device, {}, precise=True))
 
-    eps = guard.filter(r, state, fleet(4))
-    computed = {e.id: 0.0 for e in eps}
-    for ws in scorers:
-        for engine, value in ws.scorer.score(r, state, eps).items():
-            computed[engine] += ws.weight * value
-    assert computed == pytest.approx(totals, abs=0.011)
-    assert scheduler.schedule(r, state, fleet(4)).target.id == winner
+@pytest.mark.parametrize("link", ["plugins/placement.md", "plugins/kv-events.md",
+                                  "plugins/prefix-cache.md"])
+def test_linked_pages_exist(link: str) -> None:
+    assert link in DOC.read_text()
+    assert (DOC.parent / link).is_file()
