@@ -132,13 +132,22 @@ def test_session_header_is_echoed_and_keeps_a_session_cached_on_one_engine(
     assert _later_turns_cached(conversations) == []
 
 
-def test_default_is_cache_aware_without_headers(gateway: str, tiny_model: Path) -> None:
+def test_default_is_cache_aware_without_headers(
+        gateway: str, tiny_model: Path, vllm_fleet: list[LocalEngine]) -> None:
     conversations = _conversations(tiny_model, 4, seed=2)
     _talk(gateway, conversations, False, f"serve-plain-{uuid.uuid4().hex}", tiny_model)
     placement = {c.sid: sorted(str(e) for e in _engines(c)) for c in conversations}
     print(f"\nkvgate serve --engine x2, no session header: {placement}")
     assert all("x-session-affinity" not in r.headers for c in conversations for r in c.replies)
     assert _later_turns_cached(conversations) == []
+    # the ids these checks (and bench/kv_pressure.py's ideal) rely on are the engine's own
+    # tokenization of the chat: the same as POST /tokenize of the same messages
+    conv = conversations[0]
+    for turn in range(TURNS):
+        tokenized = httpx.post(vllm_fleet[0].url + "/tokenize", timeout=30, json={
+            "model": SERVED_NAME, "messages": conv.messages[:2 + 2 * turn],
+            "add_generation_prompt": True}).json()["tokens"]
+        assert tokenized == conv.prompt_ids(turn)
 
 
 def _kv_states(url: str) -> dict[str, dict[str, Any]]:

@@ -1,0 +1,63 @@
+"""The KV-pressure benchmark's systems (bench/agentic_systems.py): command lines and configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.agentic_systems import (
+    PIN_LOAD_FACTOR,
+    SYSTEMS,
+    Fleet,
+    config,
+    counter_deltas,
+    serve_argv,
+)
+from middleware.config import parse_config
+from middleware.pipeline import build_pipeline
+from middleware.registry import Registry
+
+FLEET = Fleet(("http://127.0.0.1:8001", "http://127.0.0.1:8002"),
+              ("tcp://127.0.0.1:5001", "tcp://127.0.0.1:5002"), Path("/models/tiny"), "tiny")
+
+
+def test_default_is_exactly_the_quick_start() -> None:
+    argv = serve_argv("kvgate-default", FLEET, 9000)
+    assert argv[1:] == ["serve", "--engine", FLEET.urls[0], "--engine", FLEET.urls[1],
+                        "--host", "127.0.0.1", "--port", "9000"]
+
+
+def test_precise_names_each_engines_events_in_engine_order_and_the_tokenizer() -> None:
+    argv = serve_argv("kvgate-precise", FLEET, 9000)
+    events = [argv[i + 1] for i, a in enumerate(argv) if a == "--kv-events"]
+    assert events == list(FLEET.kv_events)
+    assert argv[argv.index("--tokenizer") + 1] == "/models/tiny"
+
+
+@pytest.mark.parametrize("name", ["random", "session-pin"])
+def test_config_systems_build_a_pipeline(name: str) -> None:
+    doc = config(name, FLEET, 9000)
+    assert [e["name"] for e in doc["engines"]] == ["engine-0", "engine-1"]
+    build_pipeline(parse_config(doc, f"{name}.json"), Registry.from_entry_points())
+
+
+def test_random_has_no_scorer_and_ties_go_to_the_seeded_picker() -> None:
+    refs = [r["ref"] for r in config("random", FLEET, 9000)["profiles"][0]["plugins"]]
+    assert refs == ["health-filter", "model-filter", "max-score-picker"]
+
+
+def test_session_pin_never_reaches_its_load_bound() -> None:
+    plugins = config("session-pin", FLEET, 9000)["plugins"]
+    pin = next(p for p in plugins if p["type"] == "session-affinity-scorer")
+    assert pin["params"]["load_factor"] == PIN_LOAD_FACTOR >= 100
+    assert SYSTEMS["session-pin"].modes == ("headers",)
+
+
+def test_counter_deltas() -> None:
+    before = {"vllm:request_success_total": 3, "vllm:prompt_tokens_total": 1000,
+              "vllm:prompt_tokens_cached_total": 256, "vllm:num_preemptions_total": 0}
+    after = {"vllm:request_success_total": 5, "vllm:prompt_tokens_total": 3000,
+             "vllm:prompt_tokens_cached_total": 1280, "vllm:num_preemptions_total": 1}
+    assert counter_deltas(before, after) == {"requests": 2, "prefill_tokens": 976,
+                                             "preemptions": 1}
