@@ -437,10 +437,14 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
             log.warning("kv events: %s lost batches from %d and the replay could not fill "
                         "them (%s); its entries were reset", holder, gap.expected, problem)
             self.index.reset(holder)
-            batches = gap.held
-        for batch in batches:
-            self._apply_batch(engine, batch)
+            self._seq.pop((engine, rank), None)
         self.health_state.gap_closed(engine)
+        if problem is None:
+            for batch in batches:
+                self._apply_batch(engine, batch)
+            return
+        for batch in gap.held:  # the ordinary sequence checks (a restart resets again)
+            self._accept(engine, batch)
 
     # -- observability -------------------------------------------------------------------------
     def health(self) -> Mapping[str, object]:
