@@ -20,6 +20,8 @@ from engines.sim.config import KvEventsConfig, SimConfig
 from engines.sim.testing import RunningSim, serve_sim
 from middleware.app import KvgateApp, create_app
 from middleware.config import parse_config
+from middleware.plugin import HealthSource, Plugin
+from middleware.registry import Registry
 from plugins.kv_events import KvEventsSubscriber
 from tests.servers import free_port
 
@@ -236,3 +238,36 @@ async def test_wrong_tokenizer_degrades_then_falls_back_to_the_record(
         for turn in (1, 2):
             again = await client.post("/v1/chat/completions", json=_chat(9, turn))
             assert again.headers["x-kvgate-engine"] == first.headers["x-kvgate-engine"]
+
+
+class _Sections(Plugin, HealthSource):
+    """A HealthSource whose section depends on its name: ``broken`` raises, ``quiet`` is empty."""
+
+    type_name = "test-health-sections"
+
+    def health(self) -> Mapping[str, object]:
+        if self.name == "broken":
+            raise RuntimeError("bug in a plugin")
+        return {} if self.name == "quiet" else {"answer": 42}
+
+
+async def test_plugin_health_sections_never_break_health(
+        caplog: pytest.LogCaptureFixture) -> None:
+    base = Registry.from_entry_points()
+    registry = Registry({**base.plugins, _Sections.type_name: _Sections}, base.engines,
+                        base.connectors)
+    async with serve_sim(SimConfig(time_scale=0)) as sim:
+        data = _config([sim.url], f"tcp://127.0.0.1:{free_port()}")
+        data["plugins"] = [*data["plugins"], *({"type": _Sections.type_name, "name": n}
+                                               for n in ("broken", "quiet", "fine"))]
+        app = create_app(parse_config(data, "test"), registry)
+        async with app.running(), httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+            resp = await client.get("/health")
+    assert resp.status_code == 200
+    sections = resp.json()["plugins"]
+    assert sections["broken"] == {"error": "health() failed; see the gateway log"}
+    assert sections["fine"] == {"answer": 42}
+    assert "quiet" not in sections
+    assert sections["kv-events"]["engines"]["sim-0"]["state"] == "exact"
+    assert "plugin 'broken': health() failed" in caplog.text
