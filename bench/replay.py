@@ -80,10 +80,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help=f"comma-separated, any of {', '.join(SYSTEMS)}")
     p.add_argument("--no-sessions", action="store_true", help="send no session headers")
     p.add_argument("--guard", type=_guard, default=None, metavar="FACTOR,SLACK",
-                   help="kvgate-default's token-imbalance-filter max_imbalance,slack_tokens "
+                   help="kvgate-v1-default's token-imbalance-filter max_imbalance,slack_tokens "
                         "(default: the plugin's defaults)")
     p.add_argument("--weights", type=_weights, default=(3.0, 2.0, 1.0), metavar="P,L,S",
-                   help="kvgate-default's prefix, load, session weights (3,2,1)")
+                   help="kvgate-v1-default's prefix, load, session weights (3,2,1)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--venv-root", type=Path, default=venvs.DEFAULT_ROOT)
     p.add_argument("--no-progress", action="store_true")
