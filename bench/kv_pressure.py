@@ -11,15 +11,16 @@ those blocks are idle and older than any block of the current run, so the engine
 them first and each run sees what an empty cache would give it.
 
 **Sizing.** The tiny model keeps 4 KiB of K and V per token (bf16, 4 layers x 4 KV heads x 64
-dims x 2), 512 KiB per 128-token block. ``KV_CACHE_BYTES`` gives each engine ``KV_BLOCKS``
-blocks. The workload's live working set (bench/agentic_ideal.py: the blocks every live session
-needs for its next turn to hit), measured over the low-concurrency runs (p50 / p95 / max):
-see ``WORKING_SET`` below. Partitioned (sessions spread over the engines and kept there) the
-fullest engine needs at most the p95 of ``partitioned``, which fits one engine with room for
-the running requests' new blocks; concentrated on one engine, or duplicated on both by a
-cache-blind spread, an engine needs ``concentrated``, which exceeds its cache most of the time.
-So a router that partitions keeps (nearly) every turn cached, and one that concentrates or
-scatters thrashes.
+dims x 2), 512 KiB per 128-token block; ``KV_CACHE_BYTES`` gives each engine 60 blocks. The low
+level's live working set (bench/agentic_ideal.py: the blocks every live session needs for its
+next turn to hit), measured over the 7 low runs of docs/benchmarks.md's results, p50 / p95:
+partitioned (sessions spread over the engines and kept; the fuller engine) 30-32 / 43-55
+blocks, concentrated on one engine (also each engine's need under a cache-blind spread, which
+leaves every session on both) 41-45 / 61-73. Running requests add ~3 new blocks each (~9 per
+engine partitioned, ~18 concentrated). So partitioned needs ~40 of 60 blocks at the median and
+mostly fits at p95; concentrated needs the whole cache at the median and far more at p95: a
+router that partitions keeps (nearly) every turn cached, one that concentrates or scatters
+thrashes. At the high level even a partition exceeds the fleet (p50 55-68 blocks per engine).
 
 The metric: Σ reported ``cached_tokens`` / Σ ideal cached tokens (bench/agentic_ideal.py), per
 run, with TTFT and latency medians and each engine's requests and prefill (computed prompt)
@@ -65,7 +66,6 @@ from engines.local.model import SERVED_NAME, ensure_model
 
 #: Per engine: 30 MiB = 60 blocks of 128 tokens = 7,680 tokens (see the module docstring).
 KV_CACHE_BYTES = 30 << 20
-KV_BLOCKS = KV_CACHE_BYTES // (128 * 4096)
 SEED = 0
 
 
