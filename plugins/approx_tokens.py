@@ -27,6 +27,10 @@ from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+#: Read by the tokenizer plugin: these ids are not the engine's (it flags TOKEN_IDS_INEXACT, so
+#: the prefix producer never matches them against KV events and says so on /health).
+PSEUDO_TOKENS = "pseudo-tokens (no model tokenizer: give --tokenizer DIR)"
+
 #: Closes a message; ASCII record separator (never produced by JSON or text normalisation).
 _END = "\x1e"
 #: Separates a message's header (role, name) from its content; ASCII unit separator.

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from middleware.errors import ConfigError
 from middleware.plugin import DataProducer, Lifecycle, Plugin, PluginLookup
 from middleware.types import Api, CycleState, Endpoint, InferenceRequest
-from plugins.state import TOKEN_IDS
+from plugins.state import TOKEN_IDS, TOKEN_IDS_INEXACT
 
 log = logging.getLogger("kvgate.tokenization")
 
@@ -70,6 +70,9 @@ class ModuleBackend:
             raise ConfigError(f"{obj!r} has no tokenize() and render_chat()")
         self._obj = obj
         self.boundaries = tuple(str(s) for s in getattr(obj, "SPECIAL_TOKENS", ()))
+        pseudo = getattr(obj, "PSEUDO_TOKENS", None)
+        #: Why these ids are not the engine's (a pseudo-tokenizer), or None.
+        self.inexact: str | None = str(pseudo) if pseudo else None
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         try:
@@ -364,7 +367,7 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
     docs/plugins/tokenization.md). Also sets ``req.prompt_token_estimate`` to the exact count."""
 
     type_name: ClassVar[str] = "tokenizer"
-    produces: ClassVar[frozenset[str]] = frozenset({TOKEN_IDS.name})
+    produces: ClassVar[frozenset[str]] = frozenset({TOKEN_IDS.name, TOKEN_IDS_INEXACT.name})
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid", frozen=True)
@@ -432,7 +435,8 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
     ) -> None:
         self.stats.requests += 1
         ids = _token_id_prompt(req)
-        self.stats.passthrough += ids is not None
+        passthrough = ids is not None
+        self.stats.passthrough += passthrough
         if ids is None and (work := self._work(req)) is not None:
             try:
                 ids = await self._run(work, _text_size(req))
@@ -445,6 +449,10 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
             return
         state.put(TOKEN_IDS, tuple(ids))
         req.prompt_token_estimate = len(ids)
+        chat = self.chat_tokenizer(req.model)
+        inexact = getattr(chat.backend, "inexact", None) if chat is not None else None
+        if inexact and not passthrough:  # a client's token ids are the engine's own
+            state.put(TOKEN_IDS_INEXACT, str(inexact))
 
     def _work(self, req: InferenceRequest) -> Callable[[], list[int]] | None:
         chat = self.chat_tokenizer(req.model)

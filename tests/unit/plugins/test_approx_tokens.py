@@ -75,3 +75,22 @@ async def test_the_tokenizer_plugin_loads_it_by_name() -> None:
         assert request.prompt_token_estimate == len(ids)
     finally:
         await plugin.stop()
+
+
+async def test_pseudo_tokens_are_flagged_inexact_but_client_token_ids_are_not() -> None:
+    from middleware.types import Api
+    from plugins.state import TOKEN_IDS_INEXACT
+
+    plugin = make_plugin(Tokenizer, tokenizer={"kind": "module", "module": "approx"})
+    await plugin.start()
+    try:
+        chat = CycleState()
+        await plugin.prepare(req(body={"model": "m", "messages": [SYSTEM]}), chat, [])
+        assert chat.get(TOKEN_IDS_INEXACT) == approx_tokens.PSEUDO_TOKENS
+        ids = CycleState()
+        completion = req(body={"model": "m", "prompt": [1, 2, 3]})
+        completion.api = Api.COMPLETIONS
+        await plugin.prepare(completion, ids, [])
+        assert ids.get(TOKEN_IDS) == (1, 2, 3) and ids.get(TOKEN_IDS_INEXACT) is None
+    finally:
+        await plugin.stop()
