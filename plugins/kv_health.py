@@ -46,7 +46,11 @@ log = logging.getLogger("kvgate.kv_index")
 
 Source = Literal["connect", "bound", "none"]
 Policy = Literal["events", "precise", "auto", "approximate"]
-RESULTS = ("within_block", "over", "under")
+#: ``speculative``: off by more than a block only because of speculative entries (blocks a
+#: request dispatched moments earlier was expected to store, not computed yet when this one was
+#: admitted); the event-confirmed part was within a block. Such checks say nothing about the
+#: index and are kept out of the window that judges it.
+RESULTS = ("within_block", "over", "under", "speculative")
 
 
 class IndexState(enum.StrEnum):
@@ -241,14 +245,20 @@ class IndexHealth:
         self._set(engine, "inexact_tokens", why)
 
     def prediction(self, engine: str, predicted: int, reported: int, block_size: int,
-                   tokens_agree: bool) -> str:
-        """Record one predicted-vs-reported comparison; returns its result name."""
+                   tokens_agree: bool, confirmed: int | None = None) -> str:
+        """Record one predicted-vs-reported comparison; returns its result name (``confirmed``:
+        the part of ``predicted`` known from the engine's events; None: all of it)."""
         rec = self._engines.get(engine)
         diff = predicted - reported
         result = "within_block" if abs(diff) <= block_size else "over" if diff > 0 else "under"
+        if (result == "over" and confirmed is not None and confirmed < predicted
+                and abs(confirmed - reported) <= block_size):
+            result = "speculative"
         if rec is None:
             return result
         rec.results[result] += 1
+        if result == "speculative":
+            return result
         rec.window.append(result == "within_block")
         rec.tokens_agree.append(tokens_agree)
         self._judge_window(rec)

@@ -190,6 +190,26 @@ class KvIndex:
                 out[hid] = (device * size, (total - device) * size)
         return out
 
+    def confirmed(
+        self, hashes_by_size: Mapping[int, Sequence[int]], engine: str, group_idx: int = 0,
+    ) -> int:
+        """Tokens of the longest prefix an engine's holders hold *from its events* (speculative
+        entries, which only guess what a dispatched request will store, end the run). Read-only:
+        nothing is refreshed or expired."""
+        best = 0
+        for hid, holder in self._holders.items():
+            if engine_of(hid) != engine:
+                continue
+            size = holder.block_sizes.get(group_idx, self.default_block_size)
+            run = 0
+            for h in hashes_by_size.get(size, ()):
+                hold = holder.blocks.get(h)
+                if hold is None or hold.ekey is None:
+                    break
+                run += 1
+            best = max(best, run * size)
+        return best
+
     def match_tokens(
         self,
         token_ids: Sequence[int],

@@ -92,6 +92,8 @@ class _Check:
     prompt_tokens: int
     dispatched_at: float
     inexact: bool
+    #: Of ``predicted``, the tokens known from the engine's own events (the rest: speculative).
+    confirmed: int = 0
 
 
 _CHECK: StateKey[_Check] = StateKey("prefix-cache-check")
@@ -318,8 +320,11 @@ class PrefixCacheProducer(Plugin, DataProducer, DispatchHook, UsageHook, Endpoin
             target = decision.target.id
             dev, oth = (state.get(_PREDICTED) or {}).get(target, (0, 0))
             size = self.events.block_size(target, self.p.group_idx)
+            hashes = state.get(_EVENT_HASHES)
+            confirmed = 0 if hashes is None else self.events.confirmed(
+                hashes, target, self.p.group_idx)
             state.put(_CHECK, _Check(target, dev + oth, size, len(tokens), now,
-                                     inexact is not None))
+                                     inexact is not None, min(confirmed, dev + oth)))
 
     def _speculate(self, req: InferenceRequest, state: CycleState, ep: Endpoint,
                    tokens: Sequence[int], now: float) -> None:
@@ -364,7 +369,8 @@ class PrefixCacheProducer(Plugin, DataProducer, DispatchHook, UsageHook, Endpoin
         if reported is None or check.inexact:
             return
         self.states.prediction(target.id, predicted, reported, size,
-                               tokens_agree=check.prompt_tokens == usage.prompt_tokens)
+                               tokens_agree=check.prompt_tokens == usage.prompt_tokens,
+                               confirmed=min(check.confirmed, cap))
 
 
 class _NoMetrics(Collector):

@@ -180,6 +180,28 @@ def test_prediction_results(predicted: int, reported: int, result: str) -> None:
     assert health.results("e0")[result] == 1
 
 
+@pytest.mark.parametrize(("predicted", "confirmed", "reported", "result"), [
+    (160, 0, 0, "speculative"),  # all of the excess was a guess about a request in flight
+    (160, 32, 16, "speculative"),
+    (160, 160, 0, "over"),  # the engine's own events said so: the index is wrong
+    (160, 96, 0, "over"),  # the confirmed part alone is still off by more than a block
+    (160, 0, 160, "within_block"),
+])
+def test_speculative_misses_are_kept_apart(predicted: int, confirmed: int, reported: int,
+                                           result: str) -> None:
+    health, _ = _health()
+    assert health.prediction("e0", predicted, reported, 16, True, confirmed=confirmed) == result
+    assert health.results("e0")[result] == 1
+
+
+def test_speculative_misses_do_not_degrade_an_engine() -> None:
+    health, _ = _health()
+    for _ in range(60):
+        health.prediction("e0", 160, 0, 16, True, confirmed=0)
+    assert health.results("e0")["speculative"] == 60
+    assert health.state("e0") is not IndexState.DEGRADED
+
+
 def test_health_section_and_metrics() -> None:
     health, clock = _health()
     health.event("e0")

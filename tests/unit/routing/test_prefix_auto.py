@@ -120,6 +120,20 @@ async def test_prediction_against_reported_cached_tokens(
     assert sum(sub.health_state.results("e0").values()) == 1
 
 
+async def test_a_miss_on_a_concurrent_requests_blocks_is_speculative() -> None:
+    """Two requests on a new prefix dispatched back to back: the second is predicted to hit the
+    first's speculative entries, the engine had not computed them yet (reports 0): counted as
+    ``speculative``, not as the index being wrong."""
+    clock = Clock()
+    sub = _sub(clock)
+    producer = _producer(sub, clock, mode="precise")
+    toks = blocks(6, 4, BS)
+    await _serve(producer, toks, "e0")  # dispatched, no usage yet: a speculative entry
+    await _serve(producer, toks, "e0", 0)
+    assert sub.health_state.results("e0")["speculative"] == 1
+    assert sub.health_state.results("e0")["over"] == 0
+
+
 async def test_no_check_for_two_hops_or_unreported_cached_tokens() -> None:
     clock = Clock()
     sub = _sub(clock)
