@@ -309,8 +309,8 @@ class KvPlacementScorer(Plugin, Scorer, DispatchHook, EndpointSetListener, Metri
         return float(match.device.get(endpoint, 0) + match.other.get(endpoint, 0))
 
     def _count(self, placement: Placement | None, target: EndpointId) -> None:
-        if placement is None:
-            return
+        if placement is None or target not in placement.costs:
+            return  # e.g. P/D: the last placement scored the prefill pool, not the target
         kind = "cold" if placement.home is None else "home" if placement.home == target else (
             "moved"
         )
