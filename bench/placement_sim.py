@@ -29,6 +29,7 @@ from bench.replay import TRACE_DIR, trace_path
 from bench.replay_metrics import imbalance, lru_hit_ratio
 from bench.replay_trace import TRACE_BLOCK, TraceRequest, infer_sessions, load_trace
 from middleware.types import (
+    KV_CAPACITY_TOKENS,
     Api,
     CycleState,
     Endpoint,
@@ -78,7 +79,7 @@ class Engine:
 
 
 def _endpoints(n: int, capacity_tokens: int) -> list[Endpoint]:
-    metrics = EngineMetrics(extra={"kv_capacity_tokens": float(capacity_tokens)})
+    metrics = EngineMetrics(extra={KV_CAPACITY_TOKENS: float(capacity_tokens)})
     return [Endpoint(id=f"e{i}", url=f"http://e{i}", kind="vllm", metrics=metrics)
             for i in range(n)]
 

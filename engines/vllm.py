@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from middleware.types import EngineMetrics, InferenceRequest, Usage
+from middleware.types import KV_CAPACITY_TOKENS, EngineMetrics, InferenceRequest, Usage
 
 _GAUGES = {
     "vllm:num_requests_running": "running",
@@ -72,10 +72,6 @@ def _label_value(labels: str, key: str) -> str | None:
     return None
 
 
-#: ``EngineMetrics.extra`` key of the engine's KV capacity in tokens.
-KV_CAPACITY = "kv_capacity_tokens"
-
-
 def _capacity_tokens(labels: str) -> float | None:
     """``num_gpu_blocks x block_size`` of a ``vllm:cache_config_info`` sample (None if either
     is missing or not a positive integer, e.g. ``"None"`` before the profiler ran)."""
@@ -108,7 +104,7 @@ class VllmAdapter:
             elif name == "vllm:cache_config_info":
                 capacity = _capacity_tokens(labels)
                 if capacity is not None:
-                    extra[KV_CAPACITY] = extra.get(KV_CAPACITY, 0.0) + capacity
+                    extra[KV_CAPACITY_TOKENS] = extra.get(KV_CAPACITY_TOKENS, 0.0) + capacity
             elif name in _COUNTERS_EXTRA:
                 short = name.removeprefix("vllm:")
                 extra[short] = extra.get(short, 0.0) + value

@@ -31,6 +31,11 @@ class Api(enum.StrEnum):
         return "/v1/chat/completions" if self is Api.CHAT else "/v1/completions"
 
 
+#: ``EngineMetrics.extra`` key of an engine's KV capacity in tokens (adapters that know it set
+#: it, e.g. vLLM's ``num_gpu_blocks x block_size``; routing plugins read it).
+KV_CAPACITY_TOKENS = "kv_capacity_tokens"
+
+
 @dataclass(frozen=True, slots=True)
 class EngineMetrics:
     """What the pool last scraped from an engine's ``/metrics`` (``None``: not reported)."""

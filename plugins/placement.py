@@ -75,6 +75,7 @@ from middleware.plugin import (
     Scorer,
 )
 from middleware.types import (
+    KV_CAPACITY_TOKENS,
     CycleState,
     Endpoint,
     EndpointId,
@@ -83,10 +84,12 @@ from middleware.types import (
     StateKey,
 )
 from plugins.state import PREFIX_MATCH, SESSION_KEY, PrefixMatch
-from plugins.token_load import TokenLoadScorer, expected_output_tokens, prompt_tokens
-
-#: ``EngineMetrics.extra`` key holding an engine's KV capacity in tokens (engines/vllm.py).
-CAPACITY_KEY = "kv_capacity_tokens"
+from plugins.token_load import (
+    TokenLoadScorer,
+    expected_output_tokens,
+    prompt_tokens,
+    uncached_tokens,
+)
 
 
 class InsertionLedger:
@@ -116,9 +119,6 @@ class InsertionLedger:
 
     def forget(self, engine: EndpointId) -> None:
         self._entries.pop(engine, None)
-
-    def engines(self) -> tuple[EndpointId, ...]:
-        return tuple(self._entries)
 
 
 @dataclass(slots=True)
@@ -217,7 +217,7 @@ class KvPlacementScorer(Plugin, Scorer, DispatchHook, EndpointSetListener, Metri
         configured = self.p.capacity_tokens.get(ep.id)
         if configured is not None:
             return configured
-        reported = ep.metrics.extra.get(CAPACITY_KEY)
+        reported = ep.metrics.extra.get(KV_CAPACITY_TOKENS)
         if reported is not None and reported >= 1:
             return int(reported)
         return self.p.default_capacity_tokens
@@ -287,11 +287,10 @@ class KvPlacementScorer(Plugin, Scorer, DispatchHook, EndpointSetListener, Metri
             req.body, self.p.default_output_tokens, self.p.max_output_tokens
         )
         target = decision.target.id
-        inserted = {target: max(0.0, prompt - self._raw_held(match, target)) + output}
+        inserted = {target: float(uncached_tokens(prompt, match, target) + output)}
         if decision.prefill is not None and decision.prefill.id != target:
-            inserted[decision.prefill.id] = max(
-                0.0, prompt - self._raw_held(match, decision.prefill.id)
-            )
+            inserted[decision.prefill.id] = float(
+                uncached_tokens(prompt, match, decision.prefill.id))
         half_life = self._half_life()
         for engine, tokens in inserted.items():
             self.ledger.add(engine, tokens, half_life)
@@ -300,13 +299,6 @@ class KvPlacementScorer(Plugin, Scorer, DispatchHook, EndpointSetListener, Metri
         session = state.get(SESSION_KEY)
         if session is not None:
             self._pin(session, target)
-
-    @staticmethod
-    def _raw_held(match: PrefixMatch | None, endpoint: EndpointId) -> float:
-        """Tokens the engine holds on any tier (all of them are KV it need not insert)."""
-        if match is None:
-            return 0.0
-        return float(match.device.get(endpoint, 0) + match.other.get(endpoint, 0))
 
     def _count(self, placement: Placement | None, target: EndpointId) -> None:
         if placement is None or target not in placement.costs:

@@ -52,6 +52,7 @@ from middleware.plugin import (
     UsageHook,
 )
 from middleware.types import (
+    KV_CAPACITY_TOKENS,
     CycleState,
     Endpoint,
     EndpointId,
@@ -67,9 +68,6 @@ from plugins.state import PREFIX_MATCH, TOKEN_IDS, TOKEN_IDS_INEXACT, PrefixMatc
 
 log = logging.getLogger("kvgate.prefix_cache")
 
-#: ``EngineMetrics.extra`` key of an engine's KV capacity in tokens (the vLLM adapter fills it
-#: from ``vllm:cache_config_info``: num_gpu_blocks x block_size).
-KV_CAPACITY = "kv_capacity_tokens"
 
 Hashes = dict[int, list[int]]
 Found = dict[EndpointId, tuple[int, int]]
@@ -250,7 +248,7 @@ class PrefixCacheProducer(Plugin, DataProducer, DispatchHook, UsageHook, Endpoin
         if self.record is None:
             return
         for ep in eps:
-            tokens = ep.metrics.extra.get(KV_CAPACITY)
+            tokens = ep.metrics.extra.get(KV_CAPACITY_TOKENS)
             if tokens is not None and tokens >= self.p.block_size:
                 self.record.set_capacity(ep.id, int(tokens // self.p.block_size))
 
