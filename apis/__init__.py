@@ -1,0 +1,1 @@
+"""Client-facing API adapters (middleware/api.py), found through ``kvgate.apis``."""
