@@ -7,11 +7,11 @@ and ``GET /sim/state``. A prefill-role engine with ``pd.bootstrap_port`` set als
 Mooncake bootstrap server on that port (:mod:`engines.sim.bootstrap`), started by the lifespan.
 
 Request path (one inference request): fault checks → parse (:mod:`engines.sim.protocol`) →
-:meth:`_Api.execute` hands the request to the engine according to the engine's ``role`` →
+:meth:`SimApi.execute` hands the request to the engine according to the engine's ``role`` →
 the answer is rendered as JSON or SSE from the engine's :class:`RequestHandle`. A prefill-only
 role (answering with ``kv_transfer_params``) or a decode role (taking KV that a prefill engine
-transferred, counted as ``external_kv_transfer``) plugs in at :meth:`_Api.execute` and in
-:meth:`_Api.answer_json` for the extra response field.
+transferred, counted as ``external_kv_transfer``) plugs in at :meth:`SimApi.execute` and in
+:meth:`SimApi.answer_json` for the extra response field.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ async def _read_json(request: Request) -> Any:
         raise ApiError(400, f"invalid JSON body: {exc}") from None
 
 
-class _Api:
+class SimApi:
     """Route handlers bound to one engine."""
 
     def __init__(self, handles: SimHandles) -> None:
@@ -144,7 +144,7 @@ class _Api:
         prefix = "chatcmpl-" if api == "chat" else "cmpl-"
         shaper = Shaper(req, prefix + request_id, int(time.time()),
                         self.config.enable_prompt_tokens_details)
-        run = _Run(req, handle, transfer, request_id)
+        run = Run(req, handle, transfer, request_id)
         if req.stream:
             return EventStreamResponse(
                 self._sse_events(run, shaper), handle.abort, faults.take_drop(), headers)
@@ -185,7 +185,7 @@ class _Api:
             self.h.pd.parked -= 1
         return _error(ApiError(503, "request aborted"), headers)  # unsent: the client is gone
 
-    def _finish_prefill(self, run: _Run) -> None:
+    def finish_prefill(self, run: Run) -> None:
         """Prefill role: offer the finished prefill to its decode engine (or withdraw it)."""
         key = transfer_key(run.req)
         if self.config.role != "prefill" or key is None:
@@ -196,7 +196,7 @@ class _Api:
             self.h.board.publish(key, Transfer(run.handle.prompt_tokens,
                                                run.handle.cached_tokens))
 
-    def _usage(self, run: _Run) -> Usage:
+    def usage(self, run: Run) -> Usage:
         """Usage; a decode that received KV reports per ``pd.decode_reports``."""
         usage = _usage(run.handle)
         hit = None if run.transfer is None else run.transfer.prefill_hit
@@ -205,15 +205,15 @@ class _Api:
         return usage
 
     async def answer_json(
-        self, request: Request, run: _Run, shaper: Shaper, headers: dict[str, str]
+        self, request: Request, run: Run, shaper: Shaper, headers: dict[str, str]
     ) -> Response:
         """Wait for the whole completion (aborting it if the client leaves), answer JSON."""
         handle = run.handle
         tokens = await until_done_or_disconnect(request.receive, handle.result(), handle.abort)
-        self._finish_prefill(run)
+        self.finish_prefill(run)
         if handle.finish_reason == "abort":
             return _error(ApiError(503, "request aborted"), headers)
-        body = shaper.full(tokens, self._usage(run), handle.finish_reason)
+        body = shaper.full(tokens, self.usage(run), handle.finish_reason)
         if self.config.role == "prefill" and is_prefill_request(run.req) \
                 and transfer_key(run.req) is None:
             body["kv_transfer_params"] = nixl_answer_params(
@@ -231,7 +231,7 @@ class _Api:
         return JSONResponse({"tokens": transfer.tokens, "prefill_hit": transfer.prefill_hit})
 
     async def _sse_events(
-        self, run: _Run, shaper: Shaper
+        self, run: Run, shaper: Shaper
     ) -> AsyncGenerator[bytes, None]:
         """The SSE events of a stream; ends without ``[DONE]`` if the request was aborted."""
         handle = run.handle
@@ -245,11 +245,11 @@ class _Api:
             if handle.finish_reason in (None, "abort"):
                 return
             if shaper.req.include_usage:
-                yield sse(shaper.usage_chunk(self._usage(run)))
+                yield sse(shaper.usage_chunk(self.usage(run)))
             yield SSE_DONE
         finally:
             handle.abort()  # no-op when finished; frees the request on any early exit
-            self._finish_prefill(run)
+            self.finish_prefill(run)
 
     # ---- everything else --------------------------------------------------------------------
 
@@ -308,7 +308,7 @@ class _Api:
 
 
 @dataclass(frozen=True, slots=True)
-class _Run:
+class Run:
     """One inference request in flight: its parse, engine handle and received KV."""
 
     req: ParsedRequest
@@ -344,7 +344,7 @@ def create_sim_app(config: SimConfig) -> Starlette:
     """
     handles = _handles(config)
     bootstrap = handles.bootstrap
-    api = _Api(handles)
+    api = SimApi(handles)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -358,9 +358,29 @@ def create_sim_app(config: SimConfig) -> Starlette:
                 await bootstrap.stop()
             await handles.engine.aclose()
 
-    routes = [
+    app = Starlette(routes=_routes(api), lifespan=lifespan,
+                    exception_handlers={404: _not_found})
+    app.state.sim = handles
+    app.state.engine = handles.engine
+    return app
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    """FastAPI's answer for a route the engine does not serve."""
+    return JSONResponse({"detail": "Not Found"}, status_code=404)
+
+
+def _routes(api: SimApi) -> list[Route]:
+    """Every route; the inference ones depend on the runner (``generate`` or ``pooling``)."""
+    from engines.sim.agent_app import AgentApi  # it builds on SimApi: imported late
+
+    agent = AgentApi(api)
+    generate = [
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
+    ] if api.config.runner == "generate" else []
+    return [
+        *generate, *agent.routes(),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
@@ -369,7 +389,3 @@ def create_sim_app(config: SimConfig) -> Starlette:
         Route("/sim/state", api.state, methods=["GET"]),
         Route("/sim/kv_transfer/{key}", api.kv_transfer, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
-    app.state.sim = handles
-    app.state.engine = handles.engine
-    return app

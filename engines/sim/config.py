@@ -147,6 +147,24 @@ class SimConfig(BaseModel):
     #: request stops (``finish_reason: "stop"``) after a length drawn from it, deterministically
     #: per prompt and seed, unless ``max_tokens`` comes first (``"length"``).
     natural_output_len: tuple[int, int] = (32, 256)
+    #: Keep Responses (``store``, default true) for ``GET /v1/responses/{id}``, ``cancel`` and
+    #: ``previous_response_id`` (vLLM's ``VLLM_ENABLE_RESPONSES_API_STORE=1``). False: vLLM's
+    #: default, ``store`` silently ignored and every id unknown (404).
+    responses_store: bool = True
+    #: Stored responses kept (the oldest forgotten past it; vLLM never forgets).
+    responses_store_limit: int = Field(default=10_000, ge=1)
+    #: Accept ``tools`` with automatic tool choice (vLLM's ``--enable-auto-tool-choice
+    #: --tool-call-parser``). False: such Messages requests get vLLM's 400. The simulator
+    #: never generates tool calls either way.
+    enable_auto_tool_choice: bool = True
+    #: Serve the render API (``/v1/chat/completions/render``, ``/v1/messages/render``,
+    #: ``/v1/responses/render``; vLLM's ``--enable-scale-out``). False: 403 as vLLM answers.
+    enable_scale_out: bool = True
+    #: vLLM's ``--runner``: ``generate`` serves chat, completions, Messages, Responses and the
+    #: render API; ``pooling`` (``--runner pooling --convert embed``) serves ``/v1/embeddings``
+    #: instead. Both serve ``/tokenize``, ``/detokenize``; a route not served answers 404
+    #: ``{"detail": "Not Found"}``.
+    runner: Literal["generate", "pooling"] = "generate"
 
     @model_validator(mode="after")
     def _check(self) -> SimConfig:
