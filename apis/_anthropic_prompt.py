@@ -48,7 +48,9 @@ def _system(system: Any, messages: Sequence[Mapping[str, Any]], merge: bool) -> 
     return [{"role": "system", "content": "".join(parts)}] if parts else []
 
 
-def _image_url(source: Mapping[str, Any]) -> str:
+def _image_url(source: Any) -> str:
+    if not isinstance(source, Mapping):
+        source = {}  # vLLM fails on it; the engine's error to give
     if source.get("type") == "url":
         return str(source.get("url", ""))
     return f"data:{source.get('media_type', 'image/jpeg')};base64,{source.get('data', '')}"
@@ -62,7 +64,7 @@ def _tool_result_messages(block: Mapping[str, Any]) -> list[Message]:
     for item in content if isinstance(content, list) else []:
         if not isinstance(item, Mapping):
             continue
-        if item.get("type") == "text":
+        if item.get("type") == "text" and isinstance(item.get("text", ""), str):
             texts.append(item.get("text", ""))
         elif item.get("type") == "image" and (url := _image_url(item.get("source", {}))):
             images.append(url)
@@ -102,7 +104,7 @@ class _Parts:
         elif kind == "image" and block.get("source"):
             self.content.append({"type": "image_url",
                                  "image_url": {"url": _image_url(block["source"])}})
-        elif kind == "thinking" and block.get("thinking") is not None:
+        elif kind == "thinking" and isinstance(block.get("thinking"), str):
             self.reasoning.append(block["thinking"])
         elif kind == "tool_use":
             self.tool_calls.append(_tool_call(block))
@@ -164,16 +166,19 @@ def _resolve_tools(tools: Sequence[Any], changes: list[tuple[str, Mapping[str, A
         Any]:
     """The tools in effect after the changes (serving.py:716-759); a change naming an unknown
     tool is the engine's 400 to give, so it is skipped here."""
-    by_name = {t.get("name"): t for t in tools if isinstance(t, Mapping)}
-    removed: set[Any] = set()
+    by_name = {t["name"]: t for t in tools if isinstance(t, Mapping)
+               and isinstance(t.get("name"), str)}
+    removed: set[str] = set()
     for kind, change in changes:
         definition = change.get("definition")
         if change.get("type") == "tool_definition" and isinstance(definition, Mapping):
             name = definition.get("name")
+            if not isinstance(name, str):
+                continue
             by_name[name] = definition
         else:
             name = change.get("name")
-            if name not in by_name:
+            if not isinstance(name, str) or name not in by_name:
                 continue
             if kind == "tool_addition":
                 by_name[name] = {**by_name[name], "defer_loading": None}

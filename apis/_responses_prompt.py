@@ -137,6 +137,10 @@ def _custom_parameters() -> dict[str, Any]:
         "required": [CUSTOM_INPUT_KEY], "additionalProperties": False}
 
 
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
 def tool_dicts(tools: Sequence[Any]) -> list[dict[str, Any]] | None:
     """The tools the chat template sees: function tools, namespace functions flattened to
     ``<namespace>__<name>``, custom tools as a one-string function; the rest never rendered."""
@@ -151,7 +155,7 @@ def tool_dicts(tools: Sequence[Any]) -> list[dict[str, Any]] | None:
             out.append(_function({**tool, "parameters": _custom_parameters()}))
         elif kind == "namespace":
             out.extend(_function(t, f"{tool.get('name')}{NAMESPACE_SEPARATOR}{t.get('name')}")
-                       for t in tool.get("tools") or [] if isinstance(t, Mapping)
+                       for t in _list(tool.get("tools")) if isinstance(t, Mapping)
                        and t.get("type") == "function")
     return out
 
