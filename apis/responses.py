@@ -180,6 +180,12 @@ class ResponsesAdapter(_ResponsesShape):
         ("POST", "/v1/responses"), ("GET", "/v1/responses/{id}"),
         ("POST", "/v1/responses/{id}/cancel"))
 
+    def __init__(self, allow_background: bool = False) -> None:
+        #: ``background: true`` responses are generated after the answer (``status:
+        #: "queued"``), outside any tap: their usage is never seen, so they could not be billed
+        #: or counted as load. Refused (400) unless allowed (deployments without billing).
+        self.allow_background = allow_background
+
     def parse(self, data: dict[str, Any], headers: Mapping[str, str]) -> ParsedRequest:
         model = require_model(data)
         items = _check_input(data)
@@ -187,6 +193,9 @@ class ResponsesAdapter(_ResponsesShape):
         tools = _check_tools(data)
         stream = optional_bool(data, "stream")
         previous = optional_str(data, "previous_response_id") or None
+        if optional_bool(data, "background") and not self.allow_background:
+            raise BadRequest("background: background responses are not served through this "
+                             "gateway (their usage could not be billed)", param="background")
         if count(data.get("max_output_tokens")) is None and data.get(
                 "max_output_tokens") is not None:
             raise BadRequest("max_output_tokens: must be a non-negative integer",

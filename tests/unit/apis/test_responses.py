@@ -49,6 +49,7 @@ BAD = [
     (_with(tools={}), "tools"), (_with(tools=[{"name": "f"}]), "tools[0].type"),
     (_with(previous_response_id=3), "previous_response_id"),
     (_with(max_output_tokens=-1), "max_output_tokens"),
+    (_with(background=True), "background"), (_with(background="no"), "background"),
 ]
 
 
@@ -64,6 +65,11 @@ def test_parse() -> None:
     assert parsed.model == "m" and parsed.stream and parsed.client_wants_usage
     assert parsed.prompt is not None and parsed.requires_state is None
     assert parsed.prompt_token_estimate == 10  # (40 + 2) bytes / 4
+
+
+def test_background_only_when_allowed() -> None:
+    assert ResponsesAdapter(allow_background=True).parse(_with(background=True), {}).model == "m"
+    assert ResponsesAdapter().parse(_with(background=False), {}).model == "m"
 
 
 def test_previous_response_id_pins_and_skips_prefix_routing() -> None:
