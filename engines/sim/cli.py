@@ -53,6 +53,20 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bootstrap-port", type=int,
                    help="prefill role: Mooncake bootstrap server port (default "
                         f"{DEFAULT_BOOTSTRAP_PORT}; 0: any free port)")
+    p.add_argument("--runner", choices=["generate", "pooling"], default="generate",
+                   help="generate (chat, Messages, Responses...) or pooling (/v1/embeddings)")
+    for flag, what in _AGENT_SWITCHES.items():
+        p.add_argument(flag, action="store_true", help=what)
+
+
+#: Off switches of the agent-API features (docs/simulator.md, "Agent APIs").
+_AGENT_SWITCHES = {
+    "--no-responses-store": "do not keep Responses (vLLM's default without "
+                            "VLLM_ENABLE_RESPONSES_API_STORE=1)",
+    "--no-auto-tool-choice": "refuse Messages tools with auto choice, as vLLM without "
+                             "--enable-auto-tool-choice",
+    "--no-scale-out": "render API off (403), as vLLM without --enable-scale-out",
+}
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -76,6 +90,10 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         kv_events=kv_events,
         role=args.role,
         pd=PdSimConfig(bootstrap_port=_bootstrap_port(args, 0), bootstrap_host=args.host),
+        runner=args.runner,
+        responses_store=not args.no_responses_store,
+        enable_auto_tool_choice=not args.no_auto_tool_choice,
+        enable_scale_out=not args.no_scale_out,
     )
 
 
@@ -122,12 +140,13 @@ def child_argv(args: argparse.Namespace, index: int) -> list[str]:
         argv += ["--model", name]
     for flag in ("block_size", "capacity_blocks", "max_model_len", "max_num_seqs",
                  "max_num_batched_tokens", "time_scale", "seed", "kv_events_encoding",
-                 "kv_events_topic", "log_level", "role"):
+                 "kv_events_topic", "log_level", "role", "runner"):
         value = getattr(args, flag)
         if value is not None:
             argv += ["--" + flag.replace("_", "-"), str(value)]
-    if args.no_prompt_tokens_details:
-        argv.append("--no-prompt-tokens-details")
+    for flag in ("--no-prompt-tokens-details", *_AGENT_SWITCHES):
+        if getattr(args, flag[2:].replace("-", "_")):
+            argv.append(flag)
     bootstrap = _bootstrap_port(args, index)
     if bootstrap is not None:
         argv += ["--bootstrap-port", str(bootstrap)]

@@ -48,3 +48,18 @@ def test_children_get_consecutive_ports(kv: str, index: int, expected: str) -> N
     add_sim_arguments(child)
     child_cfg = config_from_args(child.parse_args(argv[3:]))
     assert child_cfg.time_scale == 0.5 and child_cfg.engine_id == f"sim-{8100 + index}"
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    ((), ("generate", True, True, True)),
+    (("--runner", "pooling", "--no-responses-store", "--no-auto-tool-choice", "--no-scale-out"),
+     ("pooling", False, False, False)),
+])
+def test_agent_api_flags_reach_config_and_children(flags: tuple[str, ...],
+                                                   expected: tuple[str, bool, bool, bool]) -> None:
+    args = _parse("--count", "2", *flags)
+    child = argparse.ArgumentParser()
+    add_sim_arguments(child)
+    for cfg in (config_from_args(args), config_from_args(child.parse_args(child_argv(args, 1)[3:]))):
+        assert (cfg.runner, cfg.responses_store, cfg.enable_auto_tool_choice,
+                cfg.enable_scale_out) == expected
