@@ -56,6 +56,20 @@ def estimate_tokens(*parts: object) -> int:
     return size // 4
 
 
+def template_kwargs(user: object, effort: object) -> dict[str, Any]:
+    """The chat-template variables vLLM renders with (``build_chat_params``,
+    openai/chat_completion/protocol.py:621-655, responses/protocol.py:420-458): the client's
+    ``chat_template_kwargs``, then ``reasoning_effort`` and, unless the client set it,
+    ``enable_thinking`` (``effort != "none"``) when an effort is given."""
+    kwargs = dict(user) if isinstance(user, Mapping) else {}
+    if isinstance(effort, str):
+        if "enable_thinking" not in kwargs:
+            kwargs["enable_thinking"] = effort != "none"
+        if effort != "auto":  # merge_kwargs drops "auto" (renderers/params.py:36-48)
+            kwargs["reasoning_effort"] = effort
+    return kwargs
+
+
 def to_usage(counts: TokenCounts | None) -> Usage | None:
     """The core's :class:`Usage` for normalised counts (same semantics, gateway type)."""
     if counts is None:
@@ -95,4 +109,4 @@ def openai_error_body(err: HTTPError) -> bytes:
 
 
 __all__ = ["error_message", "estimate_tokens", "openai_error_body", "optional_bool",
-           "optional_list", "optional_str", "require_model", "sse", "to_usage"]
+           "optional_list", "optional_str", "require_model", "sse", "template_kwargs", "to_usage"]

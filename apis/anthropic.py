@@ -31,6 +31,7 @@ from apis._common import (
     optional_list,
     require_model,
     sse,
+    template_kwargs,
     to_usage,
 )
 from middleware.api import ChatPrompt, ParsedRequest, SseEvent
@@ -114,11 +115,21 @@ def _max_tokens(data: Mapping[str, Any]) -> int:
     return value
 
 
+def reasoning_effort(data: Mapping[str, Any]) -> object:
+    """``output_config.effort``, overridden by ``thinking.type == "disabled"`` (serving.py:
+    629-670). vLLM renders a disabled thinking as effort ``none``, or ``low`` when its startup
+    probe finds the template ignores ``none`` (serving.py:196-219): ``none`` is assumed here."""
+    thinking, config = data.get("thinking"), data.get("output_config")
+    if isinstance(thinking, Mapping) and thinking.get("type") == "disabled":
+        return "none"
+    return config.get("effort") if isinstance(config, Mapping) else None
+
+
 def chat_prompt(data: Mapping[str, Any], merge_inline_system: bool = False) -> ChatPrompt:
     """The prompt the engine renders for a validated Messages (or count_tokens) body."""
     messages, tools = chat_view(data, merge_inline_system)
-    return ChatPrompt(messages=messages, tools=tools,
-                      template_kwargs=dict(data.get("chat_template_kwargs") or {}))
+    return ChatPrompt(messages=messages, tools=tools, template_kwargs=template_kwargs(
+        data.get("chat_template_kwargs"), reasoning_effort(data)))
 
 
 def _merge_usage(into: dict[str, Any], usage: object) -> bool:

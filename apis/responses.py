@@ -35,6 +35,7 @@ from apis._common import (
     optional_str,
     require_model,
     sse,
+    template_kwargs,
     to_usage,
 )
 from apis._responses_prompt import input_messages, tool_dicts
@@ -74,12 +75,26 @@ def _check_tools(data: Mapping[str, Any]) -> list[Any]:
     return tools
 
 
+def continues_final_message(items: object) -> bool:
+    """A last input item that is an assistant message (or reasoning) still ``in_progress`` /
+    ``incomplete`` is continued, not answered (utils.py:201-245, protocol.py:427-437)."""
+    last = items[-1] if isinstance(items, list) and items else None
+    if not isinstance(last, Mapping) or last.get("type", "message") not in ("message",
+                                                                            "reasoning"):
+        return False
+    return last.get("status") in ("in_progress", "incomplete")
+
+
 def chat_prompt(data: Mapping[str, Any]) -> ChatPrompt:
     """What the engine renders for a validated body without ``previous_response_id``."""
     items = data.get("input")
     messages = input_messages(data.get("instructions"), items if items is not None else [])
+    reasoning = data.get("reasoning")
+    effort = reasoning.get("effort") if isinstance(reasoning, Mapping) else None
+    cont = continues_final_message(items)
     return ChatPrompt(messages=messages, tools=tool_dicts(data.get("tools") or []),
-                      template_kwargs=dict(data.get("chat_template_kwargs") or {}))
+                      add_generation_prompt=not cont, continue_final_message=cont,
+                      template_kwargs=template_kwargs(data.get("chat_template_kwargs"), effort))
 
 
 class ResponsesTap:
@@ -211,4 +226,4 @@ class ResponsesAdapter(_ResponsesShape):
 
 
 __all__ = ["FINAL_EVENTS", "MARKERS", "ResponsesAdapter", "ResponsesTap", "chat_prompt",
-           "set_cached"]
+           "continues_final_message", "set_cached"]

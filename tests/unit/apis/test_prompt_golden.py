@@ -36,6 +36,15 @@ def _rendering_view(message: dict[str, Any]) -> dict[str, Any]:
         message)
 
 
+def _check_render_flags(prompt: ChatPrompt, want: dict[str, Any]) -> None:
+    """vLLM's ``chat_template_kwargs`` = the adapter's ``template_kwargs`` plus the
+    generation-prompt flags, which the adapter carries as ChatPrompt fields."""
+    kwargs = dict(want)
+    assert prompt.add_generation_prompt is kwargs.pop("add_generation_prompt")
+    assert prompt.continue_final_message is kwargs.pop("continue_final_message")
+    assert dict(prompt.template_kwargs) == kwargs
+
+
 @pytest.mark.parametrize("merge", [False, True], ids=["inline", "merged"])
 @pytest.mark.parametrize("case", MESSAGES)
 def test_messages_prompt_is_vllms(case: str, merge: bool) -> None:
@@ -46,6 +55,7 @@ def test_messages_prompt_is_vllms(case: str, merge: bool) -> None:
     assert isinstance(prompt, ChatPrompt)
     assert [dict(m) for m in prompt.messages] == want["messages"]
     assert (None if prompt.tools is None else [dict(t) for t in prompt.tools]) == want["tools"]
+    _check_render_flags(prompt, want["template_kwargs"])
 
 
 @pytest.mark.parametrize("case", RESPONSES)
@@ -56,6 +66,7 @@ def test_responses_prompt_is_vllms(case: str) -> None:
     assert isinstance(prompt, ChatPrompt)
     assert [dict(m) for m in prompt.messages] == [_rendering_view(m) for m in want["messages"]]
     assert (None if prompt.tools is None else [dict(t) for t in prompt.tools]) == want["tools"]
+    _check_render_flags(prompt, want["template_kwargs"])
 
 
 def test_count_tokens_renders_like_messages_but_is_not_routed_on_it() -> None:

@@ -140,8 +140,10 @@ def _messages_golden(body: dict) -> dict:
             AnthropicMessagesRequest.model_validate(body), merge_inline_system=merge)
         # online_renderer.py:287: the template sees tool.model_dump() of each tool.
         tools = None if chat.tools is None else [t.model_dump() for t in chat.tools]
+        params = chat.build_chat_params(None, "auto")
         out["merged" if merge else "inline"] = {"messages": _jsonable(chat.messages),
-                                                "tools": tools}
+                                                "tools": tools,
+                                                "template_kwargs": params.chat_template_kwargs}
     return out
 
 
@@ -155,7 +157,8 @@ def _responses_golden(body: dict) -> dict:
     messages = construct_input_messages(request_instructions=request.instructions,
                                         request_input=request.input)
     return {"messages": _jsonable(messages),
-            "tools": construct_tool_dicts(request.tools, request.tool_choice)}
+            "tools": construct_tool_dicts(request.tools, request.tool_choice),
+            "template_kwargs": request.build_chat_params(None, "auto").chat_template_kwargs}
 
 
 def _prompt_golden() -> None:
