@@ -112,6 +112,9 @@ class AgentApi:
         except ApiError as exc:
             return JSONResponse(anthropic_error(exc), exc.status, headers)
         body = shaper.full(text, self.api.usage(run), run.handle.finish_reason)
+        params = self.api.prefill_answer_params(request, run)
+        if params is not None:
+            body["kv_transfer_params"] = params
         return JSONResponse(body, headers=headers)
 
     async def _message_events(

@@ -214,13 +214,21 @@ class SimApi:
         if handle.finish_reason == "abort":
             return _error(ApiError(503, "request aborted"), headers)
         body = shaper.full(tokens, self.usage(run), handle.finish_reason)
-        if self.config.role == "prefill" and is_prefill_request(run.req) \
-                and transfer_key(run.req) is None:
-            body["kv_transfer_params"] = nixl_answer_params(
-                self.config.engine_id, request.url.hostname or "127.0.0.1",
-                request.url.port or 0, run.request_id, handle.prompt_tokens,
-                handle.cached_tokens, self.config.block_size)
+        params = self.prefill_answer_params(request, run)
+        if params is not None:
+            body["kv_transfer_params"] = params
         return JSONResponse(body, headers=headers)
+
+    def prefill_answer_params(self, request: Request, run: Run) -> dict[str, Any] | None:
+        """A finished NIXL prefill's ``kv_transfer_params`` for its decode (prefill role), or
+        None: chat, completions and Messages answers carry them alike, as vLLM's do."""
+        if self.config.role != "prefill" or not is_prefill_request(run.req) \
+                or transfer_key(run.req) is not None:
+            return None
+        return nixl_answer_params(
+            self.config.engine_id, request.url.hostname or "127.0.0.1", request.url.port or 0,
+            run.request_id, run.handle.prompt_tokens, run.handle.cached_tokens,
+            self.config.block_size)
 
     async def kv_transfer(self, request: Request) -> Response:
         """Prefill role: a decode engine's long poll for a finished prefill (engines/sim/pd.py)."""

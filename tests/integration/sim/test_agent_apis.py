@@ -303,3 +303,23 @@ async def test_runners_and_scale_out() -> None:
         assert emb_resp.status_code == 404
         assert render.status_code == 403
         assert render.json()["error"]["type"] == "PermissionDeniedError"
+
+
+async def test_messages_prefill_decode_nixl() -> None:
+    """A prefill-role engine answers a NIXL Messages request with vLLM's kv_transfer_params
+    after one token; the decode engine given them reports the transferred KV as cache read."""
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 6,
+                            "messages": [{"role": "user", "content": long_text(200, seed=5)}]}
+    async with serve_sim(SimConfig(time_scale=0, role="prefill")) as prefill, \
+            serve_sim(SimConfig(time_scale=0, role="decode")) as decode, \
+            httpx.AsyncClient(timeout=30) as http:
+        first = (await http.post(prefill.url + "/v1/messages", json={
+            **body, "kv_transfer_params": {"do_remote_decode": True}})).json()
+        params = first["kv_transfer_params"]
+        assert params["do_remote_prefill"] is True and first["usage"]["output_tokens"] == 1
+        second = (await http.post(decode.url + "/v1/messages", json={
+            **body, "kv_transfer_params": params})).json()
+    prompt = params["remote_num_tokens"]
+    usage = second["usage"]
+    assert usage["output_tokens"] == 6 and "kv_transfer_params" not in second
+    assert usage["cache_read_input_tokens"] == prompt - 1
