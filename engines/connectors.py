@@ -92,7 +92,7 @@ def _one_token_prefill(req: InferenceRequest, body: dict[str, Any]) -> dict[str,
     out = {k: v for k, v in body.items() if k not in _PREFILL_DROP}
     out["stream"] = False
     out["max_tokens"] = 1
-    if req.api is Api.CHAT:
+    if req.api == Api.CHAT:
         out["max_completion_tokens"] = 1
     return out
 

@@ -208,7 +208,7 @@ class LitellmBackend:
         return self._litellm
 
     def _kwargs(self, req: InferenceRequest, step: BackendStep) -> dict[str, Any]:
-        if req.api is not Api.CHAT:
+        if req.api != Api.CHAT:
             raise BadRequest(f"model {req.model!r} is served by a provider: use "
                              "/v1/chat/completions", param="model")
         opts = step.options

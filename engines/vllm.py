@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from apis.openai import openai_usage
 from middleware.types import KV_CAPACITY_TOKENS, EngineMetrics, InferenceRequest, Usage
 
 _GAUGES = {
@@ -135,17 +136,5 @@ class VllmAdapter:
         return body
 
     def extract_usage(self, payload: Mapping[str, Any]) -> Usage | None:
-        usage = payload.get("usage")
-        if not isinstance(usage, Mapping):
-            return None
-        prompt = usage.get("prompt_tokens")
-        completion = usage.get("completion_tokens", 0)
-        if not isinstance(prompt, int) or not isinstance(completion, int):
-            return None
-        details = usage.get("prompt_tokens_details")
-        cached: int | None = None
-        if isinstance(details, Mapping):
-            value = details.get("cached_tokens")
-            if isinstance(value, int) and not isinstance(value, bool):
-                cached = value
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
+        """OpenAI-shaped usage (``cached_tokens`` None when not reported)."""
+        return openai_usage(payload)

@@ -9,50 +9,55 @@ its own shape. The core (one request object, one dispatcher) never branches on t
 API is one new module in ``apis/`` registered in the ``kvgate.apis`` entry-point group.
 
 Adapters are pure: no I/O, no global state. Per-request state lives in the tap.
+
+What the core does with an adapter (middleware/gateway.py, middleware/dispatch.py):
+
+1. The app routes each of the adapter's ``routes``; two adapters (or an adapter and a core or
+   plugin path) claiming the same ``(method, path)`` is a startup error.
+2. The body is read (413 past ``server.max_body_bytes``) and parsed once with orjson (400 for
+   malformed JSON or a non-object), then :meth:`ApiAdapter.parse` validates it. The request
+   carries ``api = adapter.name`` and ``prompt = parsed.prompt``; plugins read those.
+3. Auth, request hooks (catalog, allow-lists), producers, scheduling, dispatch hooks run as
+   for any API; ``requires_state`` pins the request to the engine that created that state.
+4. The body sent is the client's bytes unchanged, unless a plugin changed it
+   (``InferenceRequest.update_body``) or :meth:`ApiAdapter.prepare_body` returned a new dict
+   (then it is serialised once with orjson). The path is :meth:`ApiAdapter.upstream_path`.
+5. The answer is read through one :class:`UsageTap` per dispatch: JSON whole (``on_json``;
+   the engine's bytes are relayed unchanged unless a P/D usage rewrite changed them), SSE event
+   by event (``on_event``; only events containing one of the tap's ``markers`` are parsed,
+   the others are relayed untouched). Usage hooks run once per dispatch when the usage is
+   final, before the bytes carrying it are sent; ``state_ids`` are remembered after a
+   successful dispatch.
+6. Every ``HTTPError`` raised after the adapter is known is rendered by
+   :meth:`ApiAdapter.error_body`; a stream the engine breaks ends with
+   :meth:`ApiAdapter.stream_error`. Engine 4xx answers are relayed unchanged.
+
+**By-id routes.** A route whose path has an ``{id}`` segment (``GET /v1/responses/{id}``,
+``POST /v1/responses/{id}/cancel``) is served without a body model: after authentication the
+core looks the id up among the ``state_ids`` earlier answers produced, forwards the method,
+path and query (and body, if any) to the engine that holds it and relays its answer as is
+(status, content type, streamed bytes). An unknown id (or one created under another tenant)
+is a 404 in the adapter's shape; its engine out of rotation, a 503. ``parse``, taps and
+request hooks are not used for them.
+
+**Optional attributes** (read with defaults, so older adapters keep working):
+``ApiAdapter.billed`` (default True; False: the billing plugin records nothing, e.g.
+tokenize), ``UsageTap.markers`` (default: every event is parsed) and ``UsageTap.sse_done``
+(default False; True: the stream ends with ``data: [DONE]``, and one without it broke; False:
+a stream is complete once the tap is ``final``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from middleware.errors import HTTPError
-from middleware.types import Usage
+from middleware.types import ChatPrompt, Prompt, TextPrompt, TokenPrompt, Usage
 
-
-@dataclass(frozen=True, slots=True)
-class ChatPrompt:
-    """A conversation the engine renders with the model's chat template (OpenAI chat shape:
-    ``{"role", "content", "tool_calls"?, ...}`` messages), which is how vLLM serves chat,
-    Anthropic Messages and Responses alike: adapters of those APIs convert to this view."""
-
-    messages: Sequence[Mapping[str, Any]]
-    tools: Sequence[Mapping[str, Any]] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = False
-    #: Extra template variables (``chat_template_kwargs``, ``documents``).
-    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class TextPrompt:
-    """Plain text the engine tokenizes as is (completions, embeddings of a string)."""
-
-    text: str
-    add_special_tokens: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class TokenPrompt:
-    """Token ids the client sent: the engine's own, exact without a tokenizer."""
-
-    ids: Sequence[int]
-
-
-#: What prefix-aware routing matches; ``None`` in :class:`ParsedRequest`: nothing to match.
-Prompt = ChatPrompt | TextPrompt | TokenPrompt
+#: The path segment of a by-id route (``GET /v1/responses/{id}``), matching one path segment.
+ID_SEGMENT = "{id}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +102,13 @@ class UsageTap(Protocol):
     #: Ids of state the answer created on the engine (Responses ``id``), for ``requires_state``.
     state_ids: list[str]
 
+    #: Optional ``markers: tuple[bytes, ...]``: only SSE events whose raw bytes contain one of
+    #: these are parsed and given to :meth:`on_event` (e.g. ``(b'"usage"',)``); without the
+    #: attribute every event is parsed (slower on long streams). Events given to
+    #: :meth:`on_event` and kept are re-serialised with orjson (edits are relayed).
+
     def on_json(self, payload: dict[str, Any]) -> None:
-        """A whole (non-streaming) answer."""
+        """A whole (non-streaming) answer. Must not edit it: the engine's bytes are relayed."""
         ...
 
     def on_event(self, event: SseEvent) -> bool:
@@ -113,7 +123,8 @@ class ApiAdapter(Protocol):
 
     #: Metric label, ledger ``api`` field, error-shape key (``chat``, ``messages`` ...).
     name: ClassVar[str]
-    #: ``(method, path)`` the adapter serves; a ``{id}`` segment matches one path segment.
+    #: ``(method, path)`` the adapter serves; a path with an ``{id}`` segment is a *by-id
+    #: route* (see the module docstring): no body model, forwarded to the engine holding id.
     routes: ClassVar[tuple[tuple[str, str], ...]]
     #: Whether prefill/decode two-hop serving applies (False: always one hop).
     disaggregable: ClassVar[bool]
@@ -135,10 +146,11 @@ class ApiAdapter(Protocol):
     def new_tap(self, client_wants_usage: bool) -> UsageTap:
         ...
 
-    def set_cached_tokens(self, payload: dict[str, Any], cached: int) -> bool:
+    def set_cached_tokens(self, payload: dict[str, Any], cached: int | None) -> bool:
         """Prefill/decode: make the usage in ``payload`` (an answer or a usage-carrying event's
         data) report ``cached`` cached prompt tokens, keeping its own conventions consistent
-        (Anthropic: ``input_tokens`` excludes cache reads). True if it changed anything."""
+        (Anthropic: ``input_tokens`` excludes cache reads); ``None``: unknown (drop the decode
+        engine's own figure, which counts the transferred KV). True if it changed anything."""
         ...
 
     def error_body(self, err: HTTPError) -> bytes:
@@ -150,7 +162,27 @@ class ApiAdapter(Protocol):
         ...
 
 
+def is_by_id(path: str) -> bool:
+    """Whether a route path is a by-id route (has an ``{id}`` segment)."""
+    return ID_SEGMENT in path.split("/")
+
+
+def match_route(pattern: str, path: str) -> str | None:
+    """The id a by-id ``pattern`` matches in ``path`` (one non-empty segment), else None."""
+    want, got = pattern.split("/"), path.split("/")
+    if len(want) != len(got):
+        return None
+    found: str | None = None
+    for w, g in zip(want, got, strict=True):
+        if w == ID_SEGMENT and g:
+            found = g
+        elif w != g:
+            return None
+    return found
+
+
 __all__ = [
+    "ID_SEGMENT",
     "ApiAdapter",
     "ChatPrompt",
     "ParsedRequest",
@@ -159,4 +191,6 @@ __all__ = [
     "TextPrompt",
     "TokenPrompt",
     "UsageTap",
+    "is_by_id",
+    "match_route",
 ]

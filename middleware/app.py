@@ -35,18 +35,19 @@ from middleware.errors import (
     internal_error,
     model_not_found,
 )
-from middleware.gateway import Gateway
+from middleware.gateway import ApiRoutes, Gateway
 from middleware.metrics import GatewayMetrics
 from middleware.pipeline import build_pipeline
 from middleware.plugin import HealthSource, HttpRequest, MetricsSource
 from middleware.pool import EndpointPool
 from middleware.registry import Registry
-from middleware.types import Api
+from middleware.states import StateMap, StateMapCollector
 
 log = logging.getLogger("kvgate.app")
 
-_INFERENCE = {"/v1/chat/completions": Api.CHAT, "/v1/completions": Api.COMPLETIONS}
 _MODELS_PREFIX = "/v1/models/"
+#: Paths the app serves itself (no API adapter or plugin may take them).
+_CORE_PATHS = frozenset({"/v1/models", "/health", "/metrics"})
 _PROMETHEUS_CT = (b"content-type", b"text/plain; version=0.0.4; charset=utf-8")
 
 
@@ -63,7 +64,11 @@ class KvgateApp:
         for plugin in self.pipeline.plugins.values():
             if isinstance(plugin, MetricsSource):
                 self.metrics.registry.register(plugin.collector())
-        self.gateway = Gateway(config, self.pipeline, self.pool, self.metrics)
+        plugin_paths = {path for _, path in self.pipeline.routes}
+        self.apis = ApiRoutes(registry.api_adapters(), _CORE_PATHS | plugin_paths)
+        states = StateMap()
+        self.metrics.registry.register(StateMapCollector(states))
+        self.gateway = Gateway(config, self.pipeline, self.pool, self.metrics, states)
         self.started_at = int(time.time())
         self._session: aiohttp.ClientSession | None = None
 
@@ -126,12 +131,14 @@ class KvgateApp:
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
         method: str = scope["method"]
-        api = _INFERENCE.get(path)
+        found = self.apis.match(method, path)
+        if found is not None:
+            await self.gateway.handle(scope, receive, send, *found)
+            return
         try:
-            if api is not None:
-                _require(method, "POST")
-                await self.gateway.handle(dict(scope), receive, send, api)
-            elif path == "/health":
+            if self.apis.allows_path(path):
+                raise MethodNotAllowed(f"{method} is not allowed on {path}")
+            if path == "/health":
                 _require(method, "GET")
                 await self._health(send)
             elif path == "/metrics":

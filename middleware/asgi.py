@@ -21,6 +21,11 @@ Send = Callable[[Message], Awaitable[None]]
 Headers = list[tuple[bytes, bytes]]
 
 JSON_CT = (b"content-type", b"application/json")
+SSE_HEADERS: Headers = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
 
 
 def header_map(scope: Scope) -> dict[str, str]:
@@ -71,7 +76,8 @@ async def send_json(
 
 
 async def send_error(send: Send, err: HTTPError, extra: Headers) -> None:
-    """The one place errors become HTTP responses (OpenAI error body)."""
+    """An error before any API adapter is known (404 route, 405, /v1/models ...): OpenAI's
+    shape. Inference requests' errors are rendered by their adapter (middleware/gateway.py)."""
     headers = [*extra, *((k.encode(), v.encode()) for k, v in err.headers.items())]
     await send_json(send, err.status, err.body(), headers)
 

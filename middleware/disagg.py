@@ -29,6 +29,7 @@ never comes holds its KV on the prefill engine until the engine's own lease expi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import random
@@ -36,6 +37,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
+import orjson
 
 from middleware.connector import (
     Connector,
@@ -46,10 +48,11 @@ from middleware.connector import (
     reported_cached,
     rewrite_usage,
 )
+from middleware.context import Attempt, RequestContext
 from middleware.errors import UpstreamError, UpstreamHTTPError
 from middleware.pool import EndpointPool
-from middleware.types import InferenceRequest, RoutingDecision
-from middleware.upstream import Progress, open_request, read_json_response
+from middleware.types import InferenceRequest, RoutingDecision, Usage
+from middleware.upstream import open_request, parse_answer, read_answer
 
 log = logging.getLogger("kvgate.disagg")
 
@@ -72,6 +75,22 @@ class UsageRewriter:
         cached = self.hit.for_client(reported_cached(payload), self.convention)
         return rewrite_usage(payload, cached)
 
+    def adjust(
+        self, payload: dict[str, Any], usage: Usage | None,
+        set_cached: Callable[[dict[str, Any], int | None], bool],
+    ) -> tuple[bool, Usage | None]:
+        """Any API: make ``payload`` (an answer or usage event, whose usage the tap read as
+        ``usage``) show the prefill hit through the adapter's ``set_cached``; returns whether
+        it changed and the usage the client and the hooks see."""
+        reported = usage.cached_tokens if usage is not None else None
+        cached = self.hit.for_client(reported, self.convention)
+        changed = set_cached(payload, cached)
+        if usage is None:
+            return changed, None
+        if cached is not None:
+            cached = min(cached, usage.prompt_tokens)
+        return changed, dataclasses.replace(usage, cached_tokens=cached)
+
     async def settle(self) -> None:
         """Wait (bounded) for a concurrent prefill's answer, which carries its cache hit."""
         if self._settle is not None:
@@ -89,8 +108,8 @@ class UsageRewriter:
         return body
 
 
-#: The gateway's decode forward: (body, rewriter, progress) -> relayed to the client.
-Forward = Callable[[dict[str, Any] | None, UsageRewriter | None, Progress], Awaitable[None]]
+#: The gateway's decode forward: (body, rewriter, attempt) -> relayed to the client.
+Forward = Callable[[dict[str, Any] | None, UsageRewriter | None, Attempt], Awaitable[None]]
 #: Told once the prefill hop ended (True: answered), e.g. to run the PrefillHook plugins.
 PrefillDone = Callable[[bool], Awaitable[None]]
 
@@ -122,9 +141,10 @@ class TwoHop:
                           self.rng.getrandbits(_ROOM_BITS))
 
     async def run(
-        self, session: aiohttp.ClientSession, req: InferenceRequest, decision: RoutingDecision,
-        forward: Forward, progress: Progress, done: PrefillDone | None = None,
+        self, session: aiohttp.ClientSession, rc: RequestContext, decision: RoutingDecision,
+        forward: Forward, progress: Attempt, done: PrefillDone | None = None,
     ) -> None:
+        req = rc.request
         ctx = self.context(req, decision)
         try:
             ctx = await self.connector.prepare(session, ctx)
@@ -134,21 +154,23 @@ class TwoHop:
                 await done(False)  # no prefill hop was sent: release what dispatch charged
             await forward(None, None, progress)
             return
-        prefill = self._prefill if done is None else _reporting(self._prefill, done)
+        prefill = _bound(self._prefill, rc)
+        prefill = prefill if done is None else _reporting(prefill, done)
         if self.connector.concurrent:
-            await self._concurrent(prefill, session, req, ctx, forward, progress)
+            await self._concurrent(prefill, session, rc, ctx, forward, progress)
         else:
-            await self._sequential(prefill, session, req, ctx, forward, progress)
+            await self._sequential(prefill, session, rc, ctx, forward, progress)
 
     def _decode_body(
-        self, req: InferenceRequest, ctx: HopContext, answer: Mapping[str, Any] | None
+        self, rc: RequestContext, ctx: HopContext, answer: Mapping[str, Any] | None
     ) -> dict[str, Any]:
-        prepared = self.pool.adapter(ctx.decode.id).prepare_body(req, req.body)
+        req = rc.request
+        prepared = rc.adapter.prepare_body(req.body, req.stream) or req.body
         return self.connector.decode_body(req, dict(prepared), ctx, answer)
 
     async def _prefill(
-        self, session: aiohttp.ClientSession, req: InferenceRequest, ctx: HopContext,
-        hit: PrefillHit,
+        self, rc: RequestContext, session: aiohttp.ClientSession, req: InferenceRequest,
+        ctx: HopContext, hit: PrefillHit,
     ) -> dict[str, Any]:
         """The prefill hop: POST, read the JSON answer, record its cache hit."""
         prefill = ctx.prefill
@@ -159,17 +181,17 @@ class TwoHop:
         try:
             try:
                 resp = await open_request(
-                    session, prefill.url + req.api.path,
-                    json.dumps(body, separators=(",", ":")).encode(), headers, self.timeout)
+                    session, prefill.url + rc.adapter.upstream_path(rc.path),
+                    orjson.dumps(body), headers, self.timeout)
             except UpstreamError as err:
                 if err.unreachable:
                     self.pool.report_failure(prefill.id, err.message)
                 raise
-            raw = await read_json_response(resp, self.pool.adapter(prefill.id), Progress())
+            raw = await read_answer(resp, None)
         finally:
             lease.release()
-        answer = json.loads(raw)
-        if not isinstance(answer, dict):
+        answer = parse_answer(raw)
+        if answer is None:
             raise TransferUnavailable("prefill answer is not a JSON object")
         hit.set(self.connector.prefill_hit(answer))
         return answer
@@ -180,13 +202,14 @@ class TwoHop:
                     req.request_id, ctx.prefill.id, why, ctx.decode.id)
 
     async def _sequential(
-        self, prefill: _PrefillFn, session: aiohttp.ClientSession, req: InferenceRequest,
-        ctx: HopContext, forward: Forward, progress: Progress,
+        self, prefill: _PrefillFn, session: aiohttp.ClientSession, rc: RequestContext,
+        ctx: HopContext, forward: Forward, progress: Attempt,
     ) -> None:
+        req = rc.request
         hit = PrefillHit()
         try:
             answer = await prefill(session, req, ctx, hit)
-            body = self._decode_body(req, ctx, answer)
+            body = self._decode_body(rc, ctx, answer)
         except (UpstreamError, UpstreamHTTPError, TransferUnavailable) as err:
             self.connector.hop_failed(ctx)
             self._fallback(req, ctx, _why(err))
@@ -197,9 +220,10 @@ class TwoHop:
         await forward(body, UsageRewriter(hit, self.connector.decode_reports), progress)
 
     async def _concurrent(
-        self, prefill_fn: _PrefillFn, session: aiohttp.ClientSession, req: InferenceRequest,
-        ctx: HopContext, forward: Forward, progress: Progress,
+        self, prefill_fn: _PrefillFn, session: aiohttp.ClientSession, rc: RequestContext,
+        ctx: HopContext, forward: Forward, progress: Attempt,
     ) -> None:
+        req = rc.request
         hit = PrefillHit()
         prefill = asyncio.ensure_future(prefill_fn(session, req, ctx, hit))
 
@@ -210,7 +234,7 @@ class TwoHop:
         headers = list(progress.headers)
         progress.headers.append((b"x-kvgate-prefill-engine", ctx.prefill.id.encode()))
         rewriter = UsageRewriter(hit, self.connector.decode_reports, settle)
-        decode = asyncio.ensure_future(forward(self._decode_body(req, ctx, None), rewriter,
+        decode = asyncio.ensure_future(forward(self._decode_body(rc, ctx, None), rewriter,
                                                progress))
         try:
             await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
@@ -242,6 +266,20 @@ _PrefillFn = Callable[
     [aiohttp.ClientSession, InferenceRequest, HopContext, PrefillHit],
     Awaitable[dict[str, Any]],
 ]
+
+
+def _bound(
+    prefill: Callable[[RequestContext, aiohttp.ClientSession, InferenceRequest, HopContext,
+                       PrefillHit], Awaitable[dict[str, Any]]],
+    rc: RequestContext,
+) -> _PrefillFn:
+    """``prefill`` with the request context bound (the hop's path is the API's)."""
+
+    async def run(session: aiohttp.ClientSession, req: InferenceRequest, ctx: HopContext,
+                  hit: PrefillHit) -> dict[str, Any]:
+        return await prefill(rc, session, req, ctx, hit)
+
+    return run
 
 
 def _reporting(prefill: _PrefillFn, done: PrefillDone) -> _PrefillFn:

@@ -42,7 +42,8 @@ from middleware.scheduler import Profile, Scheduler, WeightedScorer
 
 @dataclass(frozen=True)
 class Pipeline:
-    """The composed plugins, by slot, in config order."""
+    """The composed plugins, by slot: in config order, except that a plugin consuming a state
+    key runs after the plugins producing it (:func:`order_by_state`)."""
 
     plugins: Mapping[str, Plugin]
     scheduler: Scheduler
@@ -150,6 +151,28 @@ def _check_state_keys(source: str, plugins: Mapping[str, Plugin]) -> None:
             )
 
 
+def order_by_state(source: str, plugins: Mapping[str, Plugin]) -> list[Plugin]:
+    """Plugins ordered so that each runs after every plugin producing a state key it consumes
+    (within a slot: hooks and producers run in this order); ties keep the config order. A
+    cycle is a ConfigError naming its plugins."""
+    names = list(plugins)
+    after: dict[str, set[str]] = {
+        n: {m for m in names if m != n and plugins[n].consumes & plugins[m].produces}
+        for n in names
+    }
+    placed: list[str] = []
+    done: set[str] = set()
+    while len(placed) < len(names):
+        ready = next((n for n in names if n not in done and after[n] <= done), None)
+        if ready is None:
+            stuck = ", ".join(repr(n) for n in names if n not in done)
+            raise ConfigError(f"{source}: plugins {stuck} consume state keys each other "
+                              "produce (a cycle): no order can run them")
+        placed.append(ready)
+        done.add(ready)
+    return [plugins[n] for n in placed]
+
+
 def _pick_handler(
     config: GatewayConfig, plugins: Mapping[str, Plugin], profiles: Mapping[str, Profile]
 ) -> ProfileHandler | None:
@@ -189,7 +212,8 @@ def _adapters(config: GatewayConfig, registry: Registry) -> dict[str, EngineAdap
     return adapters
 
 
-#: Paths the core serves itself; plugins may not take them.
+#: Paths the core serves itself; plugins may not take them (nor an API adapter's routes: the
+#: app refuses those overlaps when it builds its route table).
 RESERVED_PATHS = frozenset(
     {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
 )
@@ -288,7 +312,7 @@ def build_pipeline(config: GatewayConfig, registry: Registry) -> Pipeline:
     _check_state_keys(source, built)
     handler = _pick_handler(config, built, profiles)
     catalog, backends = _catalog(config, built, _backends(registry))
-    values = list(built.values())
+    values = order_by_state(source, built)
     return Pipeline(
         plugins=built,
         scheduler=Scheduler(profiles, handler, config.server.seed),

@@ -6,6 +6,7 @@ Entry-point groups:
 * ``kvgate.engines``: ``<kind> = module:AdapterClass``
 * ``kvgate.commands``: ``<name> = module:register`` where ``register(subparsers)`` adds CLI commands
 * ``kvgate.connectors``: ``<name> = module:ConnectorClass`` (prefill/decode KV transfer)
+* ``kvgate.apis``: ``<name> = module:AdapterClass`` (client-facing APIs, middleware/api.py)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
+from middleware.api import ApiAdapter
 from middleware.engine import EngineAdapter
 from middleware.errors import ConfigError
 from middleware.plugin import Plugin
@@ -23,6 +25,7 @@ PLUGIN_GROUP = "kvgate.plugins"
 ENGINE_GROUP = "kvgate.engines"
 COMMAND_GROUP = "kvgate.commands"
 CONNECTOR_GROUP = "kvgate.connectors"
+API_GROUP = "kvgate.apis"
 
 
 def _load_group(group: str) -> dict[str, Any]:
@@ -34,6 +37,16 @@ def _load_group(group: str) -> dict[str, Any]:
     return loaded
 
 
+def load_apis() -> dict[str, Callable[[], ApiAdapter]]:
+    """API adapter classes from the ``kvgate.apis`` group, checked against their ``name``."""
+    apis = _load_group(API_GROUP)
+    for name, cls in apis.items():
+        if getattr(cls, "name", None) != name:
+            raise ConfigError(f"API entry point {name!r} points at {cls!r}, whose name is "
+                              f"{getattr(cls, 'name', None)!r}")
+    return apis
+
+
 @dataclass(frozen=True)
 class Registry:
     """Known plugin types and engine kinds. Build once at startup, then read-only."""
@@ -42,6 +55,8 @@ class Registry:
     engines: Mapping[str, Callable[[], EngineAdapter]] = field(default_factory=dict)
     #: KV-transfer connector classes by name (see middleware.connector).
     connectors: Mapping[str, type] = field(default_factory=dict)
+    #: Client-facing API adapters by name; by default the ``kvgate.apis`` entry points.
+    apis: Mapping[str, Callable[[], ApiAdapter]] = field(default_factory=load_apis)
 
     @classmethod
     def from_entry_points(cls) -> Registry:
@@ -56,11 +71,21 @@ class Registry:
                 )
         return cls(
             plugins=plugins, engines=_load_group(ENGINE_GROUP),
-            connectors=_load_group(CONNECTOR_GROUP),
+            connectors=_load_group(CONNECTOR_GROUP), apis=load_apis(),
         )
 
     def plugin_class(self, type_name: str) -> type[Plugin] | None:
         return self.plugins.get(type_name)
+
+    def api_adapters(self) -> list[ApiAdapter]:
+        """One instance of each API adapter (adapters are pure: one serves every request)."""
+        out = []
+        for name, factory in sorted(self.apis.items()):
+            adapter = factory()
+            if not isinstance(adapter, ApiAdapter):
+                raise ConfigError(f"API {name!r} does not implement middleware.api.ApiAdapter")
+            out.append(adapter)
+        return out
 
     def adapter(self, kind: str) -> EngineAdapter | None:
         factory = self.engines.get(kind)

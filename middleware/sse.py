@@ -1,50 +1,57 @@
-"""Server-sent-events tap: relays an engine's stream event by event, never buffering more than
-one incomplete event, while picking up the usage chunk and, if the client did not ask for it,
-removing it from the client's stream.
+"""Server-sent-events relay: an engine's stream passed on event by event, never buffering more
+than one incomplete event, while the API's :class:`~middleware.api.UsageTap` reads the events
+that carry usage (and may edit or drop them).
+
+Only events whose bytes contain one of the tap's ``markers`` are parsed (orjson); the others,
+and whole chunks without a marker, are relayed as received.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
+import orjson
+
+from middleware.api import SseEvent, UsageTap
 from middleware.types import Usage
 
 _SEP = b"\n\n"
-_DONE = b"data: [DONE]"
-_USAGE_MARKERS = (b'"usage":{', b'"usage": {')
+_DONE = b"[DONE]"
+_DATA = b"data: "
+
+#: Edits a usage-carrying event's data for the client (P/D: the prefill side's cache hit) and
+#: returns the usage the client and the hooks see.
+Adjust = Callable[[dict[str, Any], Usage], Usage]
 
 
-class SSETap:
+class EventRelay:
     """Feed it upstream bytes; it returns the bytes to send to the client.
 
-    ``extract`` turns one parsed chunk into a Usage (the engine adapter's ``extract_usage``).
-    ``strip_usage`` drops the usage-only chunk (``choices: []``) the gateway asked for on the
-    client's behalf. Memory: at most one incomplete event is held (``pending``).
+    ``usage`` is the tap's usage after ``adjust``; ``done`` whether ``data: [DONE]`` arrived;
+    ``events`` the data events relayed. Memory: at most one incomplete event (``pending``).
     """
 
-    __slots__ = ("_extract", "_pending", "_rewrite", "_strip", "done", "events", "usage")
+    __slots__ = ("_adjust", "_markers", "_pending", "_seen", "done", "events", "tap", "usage")
 
-    def __init__(
-        self, extract: Callable[[Mapping[str, Any]], Usage | None], strip_usage: bool,
-        rewrite: Callable[[dict[str, Any]], bool] | None = None,
-    ) -> None:
-        self._extract = extract
-        self._strip = strip_usage
-        #: Edits a usage-carrying chunk in place before it is read and relayed (prefill/decode
-        #: usage rewrite); returns whether it changed anything.
-        self._rewrite = rewrite
+    def __init__(self, tap: UsageTap, adjust: Adjust | None = None) -> None:
+        self.tap = tap
+        self._markers: tuple[bytes, ...] | None = getattr(tap, "markers", None)
+        self._adjust = adjust
         self._pending = b""
+        self._seen: Usage | None = None
         self.usage: Usage | None = None
         self.done = False
         self.events = 0
 
+    def _marked(self, data: bytes) -> bool:
+        markers = self._markers
+        return markers is None or any(m in data for m in markers)
+
     def feed(self, chunk: bytes) -> bytes:
         data = self._pending + chunk if self._pending else chunk
-        if data.endswith(_SEP) and not any(m in data for m in _USAGE_MARKERS):
-            # Fast path: whole events, no usage to inspect.
-            self._pending = b""
+        if data.endswith(_SEP) and not self._marked(data):
+            self._pending = b""  # fast path: whole events, nothing to inspect
             self._count(data)
             return data
         cut = data.rfind(_SEP)
@@ -52,38 +59,38 @@ class SSETap:
             self._pending = data
             return b""
         complete, self._pending = data[: cut + 2], data[cut + 2 :]
-        if not any(m in complete for m in _USAGE_MARKERS):
+        if not self._marked(complete):
             self._count(complete)
             return complete
         return b"".join(self._event(e) for e in complete.split(_SEP)[:-1])
 
     def _count(self, data: bytes) -> None:
-        self.events += data.count(b"data: ")
-        if _DONE in data:
+        self.events += data.count(_DATA)
+        if b"data: [DONE]" in data:
             self.done = True
             self.events -= 1
 
     def _event(self, event: bytes) -> bytes:
         self._count(event)
         out = event + _SEP
-        if not any(m in event for m in _USAGE_MARKERS):
+        if not self._marked(event):
             return out
-        payload = _data_json(event)
+        head, payload = _split(event)
         if payload is None:
             return out
-        changed = self._rewrite(payload) if self._rewrite is not None else False
-        usage = self._extract(payload)
-        if usage is not None:
-            self.usage = usage
-            if self._strip and payload.get("choices") == []:
-                self.events -= 1
-                return b""
-            if self._strip:
-                payload.pop("usage", None)
-                return b"data: " + json.dumps(payload).encode() + _SEP
-        if changed:
-            return b"data: " + json.dumps(payload).encode() + _SEP
-        return out
+        keep = self.tap.on_event(SseEvent(_name(head), payload))
+        self._track(payload)
+        if not keep:
+            self.events -= 1
+            return b""
+        return b"".join(line + b"\n" for line in head) + _DATA + orjson.dumps(payload) + _SEP
+
+    def _track(self, payload: dict[str, Any]) -> None:
+        usage = self.tap.usage
+        if usage is None or usage is self._seen:
+            return
+        self._seen = usage
+        self.usage = usage if self._adjust is None else self._adjust(payload, usage)
 
     def flush(self) -> bytes:
         """Whatever incomplete event remains when the upstream ends."""
@@ -91,18 +98,32 @@ class SSETap:
         return rest
 
 
-def _data_json(event: bytes) -> dict[str, Any] | None:
-    lines = [ln[5:].lstrip() for ln in event.split(b"\n") if ln.startswith(b"data:")]
-    if not lines:
-        return None
+def _split(event: bytes) -> tuple[list[bytes], dict[str, Any] | None]:
+    """An event's non-data lines and its data parsed as a JSON object (None: not one)."""
+    head: list[bytes] = []
+    data: list[bytes] = []
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            data.append(line[5:].lstrip())
+        else:
+            head.append(line)
+    if not data or data == [_DONE]:
+        return head, None
     try:
-        value = json.loads(b"\n".join(lines))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return value if isinstance(value, dict) else None
+        value = orjson.loads(b"\n".join(data))
+    except orjson.JSONDecodeError:
+        return head, None
+    return head, value if isinstance(value, dict) else None
+
+
+def _name(head: list[bytes]) -> str | None:
+    for line in head:
+        if line.startswith(b"event:"):
+            return line[6:].strip().decode("utf-8", "replace")
+    return None
 
 
 def error_event(message: str, code: str = "upstream_error") -> bytes:
-    """The SSE event that ends a stream the engine broke (OpenAI clients raise on it)."""
+    """The OpenAI SSE event that ends a stream the engine broke (OpenAI clients raise on it)."""
     body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-    return b"data: " + json.dumps(body).encode() + _SEP
+    return _DATA + orjson.dumps(body) + _SEP

@@ -6,7 +6,7 @@ Everything here is plain data: no I/O, no global state.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, cast
 
@@ -23,12 +23,45 @@ class Role(enum.StrEnum):
 
 
 class Api(enum.StrEnum):
+    """Names of the two OpenAI APIs (``InferenceRequest.api`` is any adapter's name, a str;
+    these constants remain for code and tests that build requests by hand)."""
+
     CHAT = "chat"
     COMPLETIONS = "completions"
 
-    @property
-    def path(self) -> str:
-        return "/v1/chat/completions" if self is Api.CHAT else "/v1/completions"
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """A conversation the engine renders with the model's chat template (OpenAI chat shape:
+    ``{"role", "content", "tool_calls"?, ...}`` messages), which is how vLLM serves chat,
+    Anthropic Messages and Responses alike: adapters of those APIs convert to this view."""
+
+    messages: Sequence[Mapping[str, Any]]
+    tools: Sequence[Mapping[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    #: Extra template variables (``chat_template_kwargs``, ``documents``).
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TextPrompt:
+    """Plain text the engine tokenizes as is (completions, embeddings of a string)."""
+
+    text: str
+    add_special_tokens: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class TokenPrompt:
+    """Token ids the client sent: the engine's own, exact without a tokenizer."""
+
+    ids: Sequence[int]
+
+
+#: What prefix-aware routing matches (``InferenceRequest.prompt``; None: nothing to match).
+Prompt = ChatPrompt | TextPrompt | TokenPrompt
 
 
 #: ``EngineMetrics.extra`` key of an engine's KV capacity in tokens (adapters that know it set
@@ -73,10 +106,13 @@ class InferenceRequest:
 
     ``headers`` are lower-cased and never contain ``authorization``.
     ``body`` is the parsed JSON body; plugins may add engine fields before dispatch.
+    ``api`` is the name of the client API's adapter (``chat``, ``completions``, ``messages``
+    ...; see middleware/api.py); ``prompt`` what routing matches, in the adapter's view
+    (plugins read it instead of the body, so they work for every API).
     """
 
     request_id: str
-    api: Api
+    api: str
     model: str
     body: dict[str, Any]
     headers: Mapping[str, str]
@@ -92,6 +128,15 @@ class InferenceRequest:
     principal: Principal | None = None
     #: The client's ``x-request-id`` (None when it sent none); ``request_id`` is kvgate's own.
     client_request_id: str | None = None
+    #: What prefix-aware routing matches (None: nothing; e.g. tokenize, embeddings).
+    prompt: Prompt | None = None
+    #: False for requests that are not billed (tokenize, detokenize): no ledger record.
+    billed: bool = True
+
+    @property
+    def api_name(self) -> str:
+        """The client API's adapter name (same as ``api``)."""
+        return str(self.api)
 
     def update_body(self, **fields: Any) -> None:
         """Set body fields for the engine; the body is re-serialized before dispatch."""

@@ -8,46 +8,30 @@ own body, which the client gets unchanged.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import orjson
 
 from middleware.asgi import Send
-from middleware.engine import EngineAdapter
+from middleware.context import Attempt
 from middleware.errors import UpstreamError, UpstreamHTTPError
-from middleware.sse import SSETap, error_event
-from middleware.types import Usage
-
-_HOP_HEADERS = (b"content-type", b"application/json")
-
-
-@dataclass(slots=True)
-class Progress:
-    """What happened on the wire so far; read by the gateway to build the Outcome."""
-
-    status: int = 0
-    first_byte_at: float | None = None
-    usage: Usage | None = None
-    events: int = 0
-    broken: str | None = None  # why the stream ended early, if it did
-    usage_reported: bool = False
-    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+from middleware.sse import EventRelay
 
 
 async def open_request(
     session: aiohttp.ClientSession,
     url: str,
-    body: bytes,
+    body: bytes | None,
     headers: Mapping[str, str],
     timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - aiohttp's own per-request timeout
+    method: str = "POST",
 ) -> aiohttp.ClientResponse:
-    """POST to the engine; returns a 2xx response whose body is still unread."""
+    """Send to the engine (POST by default); returns a 2xx response whose body is unread."""
     try:
-        resp = await session.post(url, data=body, headers=headers, timeout=timeout)
+        resp = await session.request(method, url, data=body, headers=headers, timeout=timeout)
     except TimeoutError:
         raise UpstreamError(f"engine did not answer within {timeout.total} s", status=504) from None
     except aiohttp.ClientError as exc:
@@ -69,25 +53,27 @@ async def open_request(
     raise UpstreamHTTPError(resp.status, payload, content_type)
 
 
-async def read_json_response(
-    resp: aiohttp.ClientResponse, adapter: EngineAdapter, progress: Progress
-) -> bytes:
-    """Read a non-streaming answer whole and extract its usage."""
+async def read_answer(resp: aiohttp.ClientResponse, attempt: Attempt | None) -> bytes:
+    """Read a non-streaming answer whole (the attempt records its status and first byte)."""
     try:
         body = await resp.read()
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise UpstreamError(f"engine broke off its answer: {type(exc).__name__}") from None
     finally:
         resp.release()
-    progress.first_byte_at = time.monotonic()
-    progress.status = resp.status
-    try:
-        payload: Any = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise UpstreamError("engine answered with invalid JSON", retryable=False) from None
-    if isinstance(payload, dict):
-        progress.usage = adapter.extract_usage(payload)
+    if attempt is not None:
+        attempt.first_byte_at = time.monotonic()
+        attempt.status = resp.status
     return body
+
+
+def parse_answer(body: bytes) -> dict[str, Any] | None:
+    """An answer's JSON (None: valid JSON but not an object); invalid JSON is an error."""
+    try:
+        payload: Any = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise UpstreamError("engine answered with invalid JSON", retryable=False) from None
+    return payload if isinstance(payload, dict) else None
 
 
 async def first_chunk(resp: aiohttp.ClientResponse) -> bytes:
@@ -107,39 +93,40 @@ async def relay_stream(
     resp: aiohttp.ClientResponse,
     first: bytes,
     send: Send,
-    tap: SSETap,
-    progress: Progress,
-    on_usage: Callable[[], Awaitable[None]] | None = None,
+    relay: EventRelay,
+    attempt: Attempt,
+    stream_error: Callable[[str], bytes],
+    on_final: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """Send headers then every event as it arrives; a broken upstream ends with an error event.
+    """Send headers then every event as it arrives; a broken upstream ends with
+    ``stream_error`` (the API's own error event).
 
-    ``on_usage`` is awaited once, as soon as the engine's usage is known (``progress.usage``
-    set) and *before* the bytes that carry it (and ``[DONE]``) are sent: what a usage hook does
-    (a durable ledger record) is done before the client can see its stream end.
-    Cancellation (client disconnect) closes the upstream connection, which aborts the
-    engine's request.
+    ``on_final`` is awaited once, as soon as the tap's usage is final and *before* the bytes
+    that carry it (and the stream's end) are sent: what a usage hook does (a durable ledger
+    record) is done before the client can see its stream end. Cancellation (client
+    disconnect) closes the upstream connection, which aborts the engine's request.
     """
-    await send({"type": "http.response.start", "status": 200, "headers": progress.headers})
-    progress.status = 200
-    progress.first_byte_at = time.monotonic()
+    await send({"type": "http.response.start", "status": 200, "headers": attempt.headers})
+    attempt.status = 200
+    attempt.first_byte_at = time.monotonic()
+    tap = relay.tap
     try:
         chunk = first
         while chunk:
-            out = tap.feed(chunk)
-            if on_usage is not None and tap.usage is not None:
-                progress.usage, callback, on_usage = tap.usage, on_usage, None
+            out = relay.feed(chunk)
+            if on_final is not None and tap.final:
+                attempt.usage, callback, on_final = relay.usage, on_final, None
                 await callback()
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
             chunk = await resp.content.readany()
     except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError) as exc:
-        progress.broken = f"engine stream broke: {type(exc).__name__}"
+        attempt.broken = f"engine stream broke: {type(exc).__name__}"
     finally:
         resp.close()
-        progress.usage, progress.events = tap.usage, tap.events
-    if progress.broken is None and not tap.done:
-        progress.broken = "engine stream ended without [DONE]"
-    tail = tap.flush() if progress.broken is None else b""
-    if progress.broken is not None:
-        tail += error_event(progress.broken)
+        attempt.usage, attempt.events = relay.usage, relay.events
+    complete = relay.done if getattr(tap, "sse_done", False) else (relay.done or tap.final)
+    if attempt.broken is None and not complete:
+        attempt.broken = "engine stream ended before its end"
+    tail = relay.flush() if attempt.broken is None else stream_error(attempt.broken)
     await send({"type": "http.response.body", "body": tail, "more_body": False})

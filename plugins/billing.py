@@ -162,6 +162,8 @@ class Billing(Plugin, RequestHook, UsageHook, CompletionHook, Lifecycle, RoutePr
 
     async def on_usage(self, req: InferenceRequest, state: CycleState, target: Endpoint,
                        usage: Usage) -> None:
+        if not req.billed:  # e.g. tokenize: no usage, no ledger record
+            return
         priced = self._price(req, state, target, usage)
         if priced is not None:
             state.put(COST, priced)
@@ -186,7 +188,7 @@ class Billing(Plugin, RequestHook, UsageHook, CompletionHook, Lifecycle, RoutePr
 
     async def on_complete(self, req: InferenceRequest, state: CycleState, target: Endpoint,
                           outcome: Outcome) -> None:
-        if outcome.will_retry or self.ledger is None:
+        if outcome.will_retry or self.ledger is None or not req.billed:
             return
         usage = outcome.usage or self._processed(req, state, outcome)
         priced = state.get(COST) or self._price(req, state, target, usage)

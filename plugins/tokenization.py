@@ -32,7 +32,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from middleware.errors import ConfigError
 from middleware.plugin import DataProducer, Lifecycle, Plugin, PluginLookup
-from middleware.types import Api, CycleState, Endpoint, InferenceRequest
+from middleware.types import (
+    ChatPrompt,
+    CycleState,
+    Endpoint,
+    InferenceRequest,
+    TextPrompt,
+    TokenPrompt,
+)
 from plugins.state import TOKEN_IDS, TOKEN_IDS_INEXACT
 
 log = logging.getLogger("kvgate.tokenization")
@@ -455,24 +462,22 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
             state.put(TOKEN_IDS_INEXACT, str(inexact))
 
     def _work(self, req: InferenceRequest) -> Callable[[], list[int]] | None:
+        """How to tokenize the request's prompt (any API: the adapter's view of it)."""
+        prompt = req.prompt
+        if prompt is None or isinstance(prompt, TokenPrompt):
+            return None
         chat = self.chat_tokenizer(req.model)
         if chat is None:
             self.stats.no_tokenizer += 1
             return None
-        body = req.body
-        if req.api is Api.COMPLETIONS:
-            prompt = body.get("prompt")
-            text = prompt[0] if isinstance(prompt, list) and prompt else prompt
-            if not isinstance(text, str):
-                return None
-            return lambda: chat.backend.encode(text, bool(body.get("add_special_tokens", True)))
-        messages = body.get("messages")
-        if not isinstance(messages, list):
-            return None
-        gen = bool(body.get("add_generation_prompt", True))
-        extra = _template_extra(body)
-        if body.get("add_special_tokens") or body.get("continue_final_message"):
-            return lambda: _tokenize_plain(chat.backend, messages, gen, extra, body)
+        if isinstance(prompt, TextPrompt):
+            text, special = prompt.text, prompt.add_special_tokens
+            return lambda: chat.backend.encode(text, special)
+        messages = list(prompt.messages)
+        extra = _template_extra(prompt)
+        if prompt.add_special_tokens or prompt.continue_final_message:
+            return lambda: _tokenize_plain(chat.backend, messages, extra, prompt)
+        gen = prompt.add_generation_prompt
         return lambda: chat.tokenize(messages, gen, extra)
 
     async def _run(self, work: Callable[[], list[int]], size: int) -> list[int]:
@@ -482,36 +487,29 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
         return await asyncio.get_running_loop().run_in_executor(self._pool, work)
 
 
-def _template_extra(body: Mapping[str, Any]) -> dict[str, Any]:
-    extra = {key: body[key] for key in ("tools", "documents") if body.get(key) is not None}
-    kwargs = body.get("chat_template_kwargs")
-    if isinstance(kwargs, dict):
-        extra.update({k: v for k, v in kwargs.items() if isinstance(k, str)})
+def _template_extra(prompt: ChatPrompt) -> dict[str, Any]:
+    extra: dict[str, Any] = {} if prompt.tools is None else {"tools": prompt.tools}
+    extra.update(prompt.template_kwargs)
     return extra
 
 
 def _tokenize_plain(
-    backend: TokenizerBackend, messages: Messages, gen: bool, extra: Mapping[str, Any],
-    body: Mapping[str, Any],
+    backend: TokenizerBackend, messages: Messages, extra: Mapping[str, Any], prompt: ChatPrompt,
 ) -> list[int]:
     """Uncached path: special tokens added by the tokenizer, or the final message continued."""
-    text = backend.render_chat(messages, gen and not body.get("continue_final_message"), extra)
-    if body.get("continue_final_message"):
+    gen = prompt.add_generation_prompt and not prompt.continue_final_message
+    text = backend.render_chat(messages, gen, extra)
+    if prompt.continue_final_message:
         last = _token_text(messages[-1]) if messages else None
         cut = text.rfind(last) if last else -1
         text = text[: cut + len(last)] if last and cut >= 0 else text
-    return backend.encode(text, bool(body.get("add_special_tokens", False)))
+    return backend.encode(text, prompt.add_special_tokens)
 
 
-def _token_id_prompt(req: InferenceRequest) -> list[int] | None:
-    if req.api is not Api.COMPLETIONS:
-        return None
-    prompt = req.body.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
-        prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return prompt
-    return None
+def _token_id_prompt(req: InferenceRequest) -> Sequence[int] | None:
+    """The client's own token ids (exact without a tokenizer)."""
+    prompt = req.prompt
+    return prompt.ids if isinstance(prompt, TokenPrompt) else None
 
 
 def _text_size(req: InferenceRequest) -> int:

@@ -7,7 +7,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from apis.openai import ChatCompletions, Completions
+from middleware.errors import BadRequest
 from middleware.plugin import Plugin
+from middleware.types import Prompt
 
 
 class NoLookup:
@@ -21,3 +24,13 @@ def make_plugin(cls: type[Plugin], **params: Any) -> Any:
     """``cls`` built with validated ``params`` and no other plugins to look up."""
     validated: BaseModel = cls.Params.model_validate(params)
     return cls(cls.type_name, validated, NoLookup())
+
+
+def prompt_of(api: str, body: dict[str, Any] | None) -> Prompt | None:
+    """The prompt the gateway's OpenAI adapter would put on a request with ``body`` (None when
+    the body has none, or an invalid one): for requests built by hand in unit tests."""
+    adapter = ChatCompletions() if api == "chat" else Completions()
+    try:
+        return adapter.parse({"model": "m", **(body or {})}, {}).prompt
+    except BadRequest:
+        return None

@@ -1,4 +1,5 @@
-"""SSE tap: event-granular relay, usage pickup, usage-chunk stripping, split reads."""
+"""SSE relay with the OpenAI tap: event-granular relay, usage pickup, usage-chunk stripping,
+split reads, only marked events parsed."""
 
 from __future__ import annotations
 
@@ -6,9 +7,18 @@ import json
 
 import pytest
 
-from engines.vllm import VllmAdapter
-from middleware.sse import SSETap, error_event
+from apis.openai import OpenAITap
+from middleware.sse import EventRelay, error_event
 from middleware.types import Usage
+
+
+def SSETap(strip_usage: bool) -> EventRelay:  # noqa: N802 - reads like the relay it builds
+    return EventRelay(OpenAITap(client_wants_usage=not strip_usage))
+
+
+def _events(data: bytes) -> list[object]:
+    return [e[6:] if e == b"data: [DONE]" else json.loads(e[6:])
+            for e in data.split(b"\n\n") if e]
 
 
 def _ev(obj: object) -> bytes:
@@ -30,17 +40,17 @@ def _split(data: bytes, size: int) -> list[bytes]:
 @pytest.mark.parametrize("size", [1, 3, 7, 50, len(STREAM)])
 @pytest.mark.parametrize("strip", [False, True])
 def test_relay_any_split(size: int, strip: bool) -> None:
-    tap = SSETap(VllmAdapter().extract_usage, strip_usage=strip)
+    tap = SSETap(strip_usage=strip)
     out = b"".join(tap.feed(c) for c in _split(STREAM, size)) + tap.flush()
     expected = CHUNK1 + CHUNK2 + (b"" if strip else USAGE_CHUNK) + DONE
-    assert out == expected
+    assert _events(out) == _events(expected)
     assert tap.usage == Usage(10, 2, 8)
     assert tap.done
     assert tap.events == 2 + (0 if strip else 1)
 
 
 def test_events_forwarded_as_soon_as_complete() -> None:
-    tap = SSETap(VllmAdapter().extract_usage, strip_usage=True)
+    tap = SSETap(strip_usage=True)
     assert tap.feed(CHUNK1[:5]) == b""
     assert tap.feed(CHUNK1[5:]) == CHUNK1
     assert tap.feed(CHUNK2 + CHUNK1[:3]) == CHUNK2
@@ -48,10 +58,17 @@ def test_events_forwarded_as_soon_as_complete() -> None:
 
 def test_usage_in_content_chunk_is_removed_not_dropped() -> None:
     both = _ev({"choices": [{"delta": {"content": "x"}}], "usage": USAGE})
-    tap = SSETap(VllmAdapter().extract_usage, strip_usage=True)
+    tap = SSETap(strip_usage=True)
     out = tap.feed(both)
     assert json.loads(out[6:]) == {"choices": [{"delta": {"content": "x"}}]}
     assert tap.usage == Usage(10, 2, 8)
+
+
+def test_unmarked_chunks_relayed_byte_for_byte() -> None:
+    """Chunks without a usage marker are passed on untouched (not parsed, not re-serialised)."""
+    odd = b'data: {"choices":  [ {"delta": {"content": "\\u00e9"}} ]}\n\n'
+    tap = SSETap(strip_usage=True)
+    assert tap.feed(odd) == odd
 
 
 @pytest.mark.parametrize(("usage", "cached"), [
@@ -60,14 +77,14 @@ def test_usage_in_content_chunk_is_removed_not_dropped() -> None:
     ({"prompt_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}, 0),
 ])
 def test_cached_unknown_is_none(usage: dict[str, object], cached: int | None) -> None:
-    tap = SSETap(VllmAdapter().extract_usage, strip_usage=False)
+    tap = SSETap(strip_usage=False)
     tap.feed(_ev({"choices": [], "usage": usage}))
     assert tap.usage is not None
     assert tap.usage.cached_tokens == cached
 
 
 def test_missing_done_and_null_usage() -> None:
-    tap = SSETap(VllmAdapter().extract_usage, strip_usage=True)
+    tap = SSETap(strip_usage=True)
     chunk = _ev({"choices": [{"delta": {}}], "usage": None})
     assert tap.feed(chunk) == chunk
     assert not tap.done

@@ -7,10 +7,21 @@ from typing import Any
 
 import pytest
 
-from engines.vllm import VllmAdapter
+from apis.openai import ChatCompletions, OpenAITap
 from middleware.connector import PrefillHit, reported_cached, rewrite_usage
 from middleware.disagg import UsageRewriter
-from middleware.sse import SSETap
+from middleware.sse import EventRelay
+from middleware.types import Usage
+
+
+def _relay(strip: bool, rw: UsageRewriter) -> EventRelay:
+    """The stream relay as the dispatcher builds it for a two-hop chat request."""
+    set_cached = ChatCompletions().set_cached_tokens
+
+    def adjust(payload: dict[str, Any], usage: Usage) -> Usage:
+        return rw.adjust(payload, usage, set_cached)[1] or usage
+
+    return EventRelay(OpenAITap(client_wants_usage=not strip), adjust)
 
 
 def _answer(prompt: int, cached: int | None, details: bool = True) -> dict[str, Any]:
@@ -86,8 +97,7 @@ def test_sse_rewrite_split_chunks(split: int, strip: bool) -> None:
               + b"data: [DONE]\n\n")
     ph = PrefillHit()
     ph.set(32)
-    tap = SSETap(VllmAdapter().extract_usage, strip_usage=strip,
-                 rewrite=UsageRewriter(ph, "transferred").rewrite_chunk)
+    tap = _relay(strip, UsageRewriter(ph, "transferred"))
     out = b"".join(tap.feed(stream[i:i + split]) for i in range(0, len(stream), split))
     out += tap.flush()
     assert tap.usage is not None and tap.usage.cached_tokens == 32
@@ -95,15 +105,14 @@ def test_sse_rewrite_split_chunks(split: int, strip: bool) -> None:
     if strip:
         assert b"usage" not in out
     else:
-        assert b'"cached_tokens": 32' in out
+        assert b'"cached_tokens":32' in out
         assert b"496" not in out
 
 
 def test_sse_missing_usage_chunk() -> None:
     ph = PrefillHit()
     ph.set(32)
-    tap = SSETap(VllmAdapter().extract_usage, strip_usage=False,
-                 rewrite=UsageRewriter(ph, "transferred").rewrite_chunk)
+    tap = _relay(False, UsageRewriter(ph, "transferred"))
     data = _sse({"choices": [{"delta": {"content": "a"}}]}) + b"data: [DONE]\n\n"
     assert tap.feed(data) == data
     assert tap.usage is None and tap.done

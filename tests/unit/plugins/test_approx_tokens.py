@@ -11,7 +11,7 @@ from middleware.types import CycleState
 from plugins import approx_tokens
 from plugins.state import TOKEN_IDS
 from plugins.tokenization import Tokenizer
-from tests.plugin_helpers import make_plugin
+from tests.plugin_helpers import make_plugin, prompt_of
 from tests.unit.routing_load.helpers import req
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. " * 40}
@@ -90,6 +90,7 @@ async def test_pseudo_tokens_are_flagged_inexact_but_client_token_ids_are_not() 
         ids = CycleState()
         completion = req(body={"model": "m", "prompt": [1, 2, 3]})
         completion.api = Api.COMPLETIONS
+        completion.prompt = prompt_of(Api.COMPLETIONS, completion.body)
         await plugin.prepare(completion, ids, [])
         assert ids.get(TOKEN_IDS) == (1, 2, 3) and ids.get(TOKEN_IDS_INEXACT) is None
     finally:

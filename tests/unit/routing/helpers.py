@@ -9,7 +9,7 @@ import msgpack
 
 from middleware.types import Api, Endpoint, InferenceRequest
 from plugins.kv_events import KvEventsSubscriber
-from tests.plugin_helpers import NoLookup
+from tests.plugin_helpers import NoLookup, prompt_of
 
 __all__ = ["NoLookup"]
 
@@ -81,7 +81,7 @@ def request(api: Api = Api.CHAT, body: dict[str, Any] | None = None, *, model: s
     return InferenceRequest(
         request_id="r", api=api, model=model, body=body or {}, headers={}, stream=False,
         client_wants_usage=False, prompt_token_estimate=1, received_at=time.monotonic(),
-        tenant=tenant,
+        tenant=tenant, prompt=prompt_of(api, body),
     )
 
 

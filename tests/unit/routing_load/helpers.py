@@ -9,6 +9,7 @@ from typing import Any
 from middleware.types import Api, Endpoint, InferenceRequest, Role
 from plugins.session_affinity import SessionAffinityScorer
 from plugins.token_load import TokenImbalanceFilter, TokenLoadScorer
+from tests.plugin_helpers import prompt_of
 
 
 class Lookup:
@@ -42,6 +43,7 @@ def req(
         request_id=rid, api=Api.CHAT, model=model, body=dict(body or {}),
         headers=dict(headers or {}), stream=False, client_wants_usage=False,
         prompt_token_estimate=estimate, received_at=time.monotonic(), tenant=tenant,
+        prompt=prompt_of(Api.CHAT, body),
     )
 
 

@@ -1,0 +1,360 @@
+"""The dispatcher: scheduling, engine hops and the bookkeeping of every dispatch.
+
+:meth:`Dispatcher.run` is the one place a dispatch's outcome is accounted: usage hooks once
+(as soon as the usage is final, at the latest when the dispatch ends), completion hooks once per
+dispatch on every outcome, the state ids the answer created, the metrics. Engine hops
+(:meth:`serve_pool`) and in-process backend steps (middleware/plan.py) both go through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+
+import aiohttp
+import orjson
+
+from middleware.asgi import SSE_HEADERS, ClientGone, Receive, disconnect_watcher, send_bytes
+from middleware.config import GatewayConfig
+from middleware.context import Attempt, RequestContext
+from middleware.disagg import TwoHop, UsageRewriter
+from middleware.errors import (
+    HTTPError,
+    NoEndpointAvailable,
+    UpstreamError,
+    UpstreamHTTPError,
+    model_not_found,
+)
+from middleware.metrics import GatewayMetrics
+from middleware.pipeline import Pipeline
+from middleware.pool import EndpointPool
+from middleware.sse import Adjust, EventRelay
+from middleware.states import StateMap
+from middleware.types import (
+    Endpoint,
+    InferenceRequest,
+    Outcome,
+    OutcomeKind,
+    RoutingDecision,
+    Usage,
+)
+from middleware.upstream import first_chunk, open_request, parse_answer, read_answer, relay_stream
+
+log = logging.getLogger("kvgate.dispatch")
+T = TypeVar("T")
+#: One dispatch's work: given its attempt, send the request and relay the answer.
+Work = Callable[[Attempt], Coroutine[Any, Any, None]]
+
+
+class Dispatcher:
+    """Owns dispatch and its outcome bookkeeping; stateless between requests but for
+    ``states`` (bounded) and the metrics."""
+
+    def __init__(
+        self, config: GatewayConfig, pipeline: Pipeline, pool: EndpointPool,
+        metrics: GatewayMetrics, states: StateMap,
+    ) -> None:
+        self.config = config
+        self.pipeline = pipeline
+        self.pool = pool
+        self.metrics = metrics
+        self.states = states
+        self.session: aiohttp.ClientSession | None = None
+        server = config.server
+        self.timeout = aiohttp.ClientTimeout(
+            total=server.request_timeout_s, connect=server.connect_timeout_s)
+        dc = config.disaggregation
+        self.two_hop: TwoHop | None = None
+        if pipeline.connector is not None and dc is not None:
+            self.two_hop = TwoHop(pipeline.connector, pool, self.timeout, dc.settle_timeout_s,
+                                  server.seed, self._count_pd)
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    async def run(
+        self, ctx: RequestContext, target: Endpoint, work: Work, *, last: bool = True,
+        release: Callable[[], None] | None = None,
+    ) -> int:
+        """One dispatch to ``target``: ``work`` raced against the client's disconnect, then
+        its outcome accounted (``release`` first, e.g. the engine lease). Returns the status;
+        re-raises what ``work`` raised (``HTTPError``: rendered by the gateway)."""
+        attempt = Attempt(target, [*ctx.response_headers, (b"x-kvgate-engine", target.id.encode())])
+        kind, will_retry = OutcomeKind.UPSTREAM_ERROR, False
+        error: str | None = "dispatch failed"
+        try:
+            await race(work(attempt), ctx.receive)
+            kind, error = OutcomeKind.DONE, None
+            if attempt.broken is not None:
+                kind, error = OutcomeKind.UPSTREAM_ERROR, attempt.broken
+                self.metrics.upstream_errors.labels(target.id, "mid_stream").inc()
+            return attempt.status
+        except ClientGone:
+            kind, error = OutcomeKind.CLIENT_DISCONNECT, "client disconnected"
+            raise
+        except HTTPError as err:
+            error, attempt.status = err.message, err.status
+            will_retry = isinstance(err, UpstreamError) and err.retryable and not last
+            self.metrics.upstream_errors.labels(target.id, "before_first_byte").inc()
+            raise
+        finally:
+            if release is not None:
+                release()
+            await self._complete(ctx, attempt, kind, error, will_retry)
+
+    async def report_usage(self, ctx: RequestContext, attempt: Attempt) -> None:
+        """Usage hooks, once per dispatch, as soon as the usage is known: before a JSON answer
+        is sent, before a stream's usage event (and its end) is relayed."""
+        usage = attempt.usage
+        if usage is None or attempt.usage_reported:
+            return
+        attempt.usage_reported = True
+        req = ctx.request
+        tokens = self.metrics.tokens
+        tokens.labels(req.model, "prompt").inc(usage.prompt_tokens)
+        tokens.labels(req.model, "completion").inc(usage.completion_tokens)
+        if usage.cached_tokens is not None:
+            tokens.labels(req.model, "cached").inc(usage.cached_tokens)
+        for hook in self.pipeline.usage_hooks:
+            await hook.on_usage(req, ctx.state, attempt.target, usage)
+
+    async def _complete(self, ctx: RequestContext, attempt: Attempt, kind: OutcomeKind,
+                        error: str | None, will_retry: bool) -> None:
+        req = ctx.request
+        now = time.monotonic()
+        ttft = None if attempt.first_byte_at is None else attempt.first_byte_at - req.received_at
+        if ttft is not None:
+            self.metrics.ttft.labels(ctx.adapter.name, str(req.stream).lower()).observe(ttft)
+        errors: list[Exception] = []
+        try:
+            await self.report_usage(ctx, attempt)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the completion hooks
+            errors.append(exc)
+        if kind is OutcomeKind.DONE and attempt.tap is not None:
+            for state_id in attempt.tap.state_ids:
+                self.states.remember(state_id, attempt.target.id, req.tenant)
+        outcome = Outcome(
+            kind=kind, status=attempt.status, usage=attempt.usage, ttft_s=ttft,
+            total_s=now - req.received_at, error=error, will_retry=will_retry,
+            chunks_relayed=attempt.events,
+        )
+        await self._completion_hooks(req, ctx, attempt.target, outcome, errors)
+        if errors:
+            raise errors[0]
+
+    async def _completion_hooks(self, req: InferenceRequest, ctx: RequestContext,
+                                target: Endpoint, outcome: Outcome,
+                                errors: list[Exception]) -> None:
+        """Every completion hook runs, even when another raised: hooks release what the request
+        held (token load, admission slots), and one failing must not leak the others'."""
+        for hook in self.pipeline.completion_hooks:
+            try:
+                await hook.on_complete(req, ctx.state, target, outcome)
+            except Exception as exc:  # the first is re-raised by the caller
+                if errors:
+                    log.exception("request %s: completion hook failed too", req.request_id)
+                errors.append(exc)
+
+    def _count_pd(self, result: str) -> None:
+        self.metrics.pd_requests.labels(result).inc()
+
+    # -- engines ----------------------------------------------------------------------------
+    async def serve_pool(self, ctx: RequestContext, eps: Sequence[Endpoint],
+                         profile: str | None = None) -> int:
+        """Schedule over ``eps`` (with one named profile, or the configured profiles) and
+        dispatch, retrying elsewhere on failures before the first byte."""
+        req = ctx.request
+        self._check_model(req, eps)
+        for producer in self.pipeline.producers:
+            await producer.prepare(req, ctx.state, eps)
+        pinned = self._pinned(ctx, eps)
+        excluded: set[str] = set()
+        attempts = 1 + self.config.server.retries
+        for attempt in range(attempts):
+            decision = self._schedule(ctx, eps, excluded, profile, pinned)
+            pinned, last = None, attempt == attempts - 1
+            try:
+                return await self._dispatch(ctx, decision, last)
+            except UpstreamError as err:
+                if last or not err.retryable:
+                    raise
+                excluded.add(decision.target.id)
+                self.metrics.retries.labels(decision.target.id).inc()
+                log.warning("request %s: retrying after %s", req.request_id, err.message)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _check_model(self, req: InferenceRequest, eps: Sequence[Endpoint]) -> None:
+        if req.model in self.pool.models():
+            return
+        if not any(ep.healthy for ep in eps):
+            raise NoEndpointAvailable("no healthy engine is available")
+        if any(ep.healthy and not ep.models for ep in eps):
+            return  # an engine's models are not discovered yet: let the filters decide
+        raise model_not_found(req.model, self.pool.models())
+
+    def _pinned(self, ctx: RequestContext, eps: Sequence[Endpoint]) -> Endpoint | None:
+        """The engine holding the state this request requires, if known and healthy."""
+        state_id = ctx.parsed.requires_state if ctx.parsed is not None else None
+        if state_id is None:
+            return None
+        holder = self.states.holder(state_id, ctx.request.tenant)
+        if holder is None:
+            self.states.count("miss")
+            return None
+        for ep in eps:
+            if ep.id == holder.engine and ep.healthy:
+                self.states.count("hit")
+                return ep
+        self.states.count("unhealthy")
+        log.warning("request %s: %s is held by %s, which is out of rotation; routing it "
+                    "normally", ctx.request.request_id, state_id, holder.engine)
+        return None
+
+    def _schedule(self, ctx: RequestContext, eps: Sequence[Endpoint], excluded: set[str],
+                  profile: str | None, pinned: Endpoint | None) -> RoutingDecision:
+        req, state, scheduler = ctx.request, ctx.state, self.pipeline.scheduler
+        if pinned is not None:
+            try:
+                if profile is not None:
+                    return scheduler.schedule_profile(profile, req, state, [pinned])
+                return scheduler.schedule(req, state, [pinned])
+            except NoEndpointAvailable:
+                log.warning("request %s: the filters refused %s, which holds its state",
+                            req.request_id, pinned.id)
+        candidates = [ep for ep in eps if ep.id not in excluded] if excluded else eps
+        if not candidates:
+            raise NoEndpointAvailable("no other engine left to retry on")
+        if profile is not None:
+            return scheduler.schedule_profile(profile, req, state, candidates)
+        return scheduler.schedule(req, state, candidates)
+
+    async def _dispatch(self, ctx: RequestContext, decision: RoutingDecision, last: bool) -> int:
+        req = ctx.request
+        for hook in self.pipeline.dispatch_hooks:
+            await hook.before_dispatch(req, ctx.state, decision)
+        target = decision.target
+        lease = self.pool.acquire(target.id, req.prompt_token_estimate)
+
+        async def work(attempt: Attempt) -> None:
+            await self._route(ctx, decision, attempt)
+
+        return await self.run(ctx, target, work, last=last, release=lease.release)
+
+    async def _route(self, ctx: RequestContext, decision: RoutingDecision,
+                     attempt: Attempt) -> None:
+        """One hop to the target, or two (prefill, then/with decode) when the decision names a
+        prefill engine, a connector is configured and the API allows it (middleware/disagg)."""
+        prefill = decision.prefill
+        if (self.two_hop is None or prefill is None or prefill.id == decision.target.id
+                or not ctx.adapter.disaggregable):
+            await self._forward(ctx, attempt)
+            return
+        assert self.session is not None
+
+        async def forward(body: dict[str, Any] | None, rewriter: UsageRewriter | None,
+                          att: Attempt) -> None:
+            await self._forward(ctx, att, body, rewriter)
+
+        async def done(ok: bool) -> None:
+            assert prefill is not None
+            for hook in self.pipeline.prefill_hooks:
+                await hook.on_prefill_done(ctx.request, ctx.state, prefill, ok)
+
+        await self.two_hop.run(self.session, ctx, decision, forward, attempt, done)
+
+    def _body(self, ctx: RequestContext, body: dict[str, Any] | None) -> bytes:
+        """The bytes sent: the client's unchanged when nothing changed them."""
+        if body is not None:
+            return orjson.dumps(body)
+        req = ctx.request
+        shaped = ctx.adapter.prepare_body(req.body, req.stream)
+        if shaped is not None:
+            return orjson.dumps(shaped)
+        return req.raw_body if req.raw_body is not None else orjson.dumps(req.body)
+
+    async def _forward(self, ctx: RequestContext, attempt: Attempt,
+                       body: dict[str, Any] | None = None,
+                       rewriter: UsageRewriter | None = None) -> None:
+        """Send ``body`` (default: the adapter-shaped client body) to the attempt's target and
+        relay the answer; ``rewriter`` edits the usage the client and the usage hooks see."""
+        assert self.session is not None
+        req, target, adapter = ctx.request, attempt.target, ctx.adapter
+        headers = {"content-type": "application/json", "x-request-id": req.request_id,
+                   **self.pool.headers(target.id)}
+        url = target.url + adapter.upstream_path(ctx.path)
+        try:
+            resp = await open_request(self.session, url, self._body(ctx, body), headers,
+                                      self.timeout)
+        except UpstreamError as err:
+            if err.unreachable:
+                self.pool.report_failure(target.id, err.message)
+            raise
+        attempt.tap = adapter.new_tap(req.client_wants_usage)
+        if not req.stream:
+            await self._answer(ctx, attempt, resp, rewriter)
+            return
+        try:
+            chunk = await first_chunk(resp)
+        except asyncio.CancelledError:  # client gone, or a concurrent prefill fell back
+            resp.close()
+            raise
+        if rewriter is not None:  # decode answers after the prefill: its hit is (nearly) due
+            await rewriter.settle()
+        relay = EventRelay(attempt.tap, _adjuster(ctx, rewriter))
+        attempt.headers[:0] = SSE_HEADERS
+        attempt.headers.extend(ctx.plugin_headers())
+        await relay_stream(resp, chunk, ctx.send, relay, attempt, adapter.stream_error,
+                           lambda: self.report_usage(ctx, attempt))
+
+    async def _answer(self, ctx: RequestContext, attempt: Attempt, resp: aiohttp.ClientResponse,
+                      rewriter: UsageRewriter | None) -> None:
+        """A whole JSON answer: usage read, hooks run, then the bytes (the engine's own unless
+        the P/D rewrite changed them) sent."""
+        raw = await read_answer(resp, attempt)
+        payload = parse_answer(raw)
+        tap = attempt.tap
+        assert tap is not None
+        if payload is not None:
+            tap.on_json(payload)
+        usage = tap.usage
+        if rewriter is not None:
+            await rewriter.settle()
+            if payload is not None:
+                changed, usage = rewriter.adjust(payload, usage, ctx.adapter.set_cached_tokens)
+                raw = orjson.dumps(payload) if changed else raw
+        attempt.usage = usage
+        await self.report_usage(ctx, attempt)
+        ct = resp.headers.get("content-type", "application/json").encode()
+        out = [(b"content-type", ct), *attempt.headers, *ctx.plugin_headers()]
+        await send_bytes(ctx.send, attempt.status, raw, out)
+
+
+def _adjuster(ctx: RequestContext, rewriter: UsageRewriter | None) -> Adjust | None:
+    """The stream relay's P/D usage edit through the request's adapter."""
+    if rewriter is None:
+        return None
+    set_cached = ctx.adapter.set_cached_tokens
+
+    def adjust(payload: dict[str, Any], usage: Usage) -> Usage:
+        return rewriter.adjust(payload, usage, set_cached)[1] or usage
+
+    return adjust
+
+
+async def race(work: Awaitable[T], receive: Receive) -> T:
+    """Run ``work`` unless the client disconnects first (then cancel it: ClientGone)."""
+    task = asyncio.ensure_future(work)
+    watcher = disconnect_watcher(receive)
+    try:
+        done, _ = await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientGone()
+    finally:
+        watcher.cancel()
+
+
+__all__ = ["Dispatcher", "UpstreamHTTPError", "Work", "race"]
