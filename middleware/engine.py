@@ -17,6 +17,9 @@ class EngineAdapter(Protocol):
     """Health probing, metrics parsing, request shaping and usage extraction for one engine kind.
 
     All methods are pure (no I/O): the pool does the HTTP and hands the adapter the payloads.
+    Body shaping and usage on the request path are the client API's (middleware/api.py:
+    ``ApiAdapter.prepare_body``, ``UsageTap``), since they depend on the API's shape;
+    ``prepare_body`` / ``extract_usage`` here are the OpenAI-shaped helpers for tools.
     """
 
     kind: ClassVar[str]
