@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 import httpx
@@ -27,7 +28,8 @@ from middleware.errors import HTTPError
 from middleware.plugin import CompletionHook, Plugin, UsageHook
 from middleware.registry import Registry, load_apis
 from middleware.types import CycleState, Endpoint, InferenceRequest, Outcome, TextPrompt, Usage
-from tests.integration.conftest import gateway_config, sim_fleet
+from tests.integration.billing_helpers import billing_config, ledger_list, write_keys
+from tests.integration.conftest import gateway, gateway_config, sim_fleet
 from tests.servers import serve_asgi
 
 CHAT = {"model": "sim-model", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
@@ -328,3 +330,23 @@ async def test_client_bytes_forwarded_unchanged(case: str, sent: bytes, unchange
         assert {k: v for k, v in body.items() if k != "stream_options"} == json.loads(sent)
         assert b"usage" not in resp.content  # read by the gateway, not shown to the client
 
+
+
+async def test_tokenize_leaves_no_ledger_record_chat_does(tmp_path: Path) -> None:
+    """Through the real billing plugin: a tokenize request is authenticated and allowed but
+    not billed (no ledger row); a chat request next to it is."""
+    keys = write_keys(tmp_path)
+    async with sim_fleet(1) as sims, \
+            gateway(billing_config([sims[0].url], tmp_path, keys)) as (app, client):
+        resp = await client.post("/tokenize", json={"model": "sim-model", "prompt": "hi"})
+        assert resp.status_code == 401  # auth applies to every API
+        resp = await client.post("/tokenize", json={"model": "sim-model", "prompt": "hi"},
+                                 headers=keys.auth("user"))
+        assert resp.status_code == 200 and resp.json()["tokens"]
+        resp = await client.post("/tokenize", json={"model": "sim-model", "prompt": "hi"},
+                                 headers=keys.auth("narrow"))
+        assert resp.status_code == 403  # the key's model allow-list applies too
+        resp = await client.post("/v1/chat/completions", json=CHAT, headers=keys.auth("user"))
+        assert resp.status_code == 200
+        rows = await ledger_list(app)
+    assert [r.request_id for r in rows] == [resp.headers["x-request-id"]]
