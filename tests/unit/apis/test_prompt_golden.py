@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from apis import anthropic, responses
-from middleware.types import ChatPrompt
+from middleware.api import ChatPrompt
 from tests.unit.apis.samples import cases, golden
 
 MESSAGES = sorted(cases()["messages"])

@@ -13,7 +13,7 @@ import pytest
 from openai.types.responses import ResponseErrorEvent
 
 from apis.responses import MARKERS, ResponsesAdapter, ResponsesTap
-from middleware.api import ApiAdapter, SseEvent, UsageTap, match_route
+from middleware.api import ApiAdapter, SseEvent, UsageTap
 from middleware.errors import BadRequest, ModelNotFound, NotFound, UpstreamError
 from middleware.types import Usage
 from tests.unit.apis.samples import load_json, load_sse, parse_sse, raw
@@ -37,8 +37,8 @@ def test_adapter_implements_the_contract() -> None:
     adapter = ResponsesAdapter()
     assert isinstance(adapter, ApiAdapter) and isinstance(adapter.new_tap(False), UsageTap)
     assert not adapter.disaggregable
-    ids = [match_route(path, "/v1/responses/resp_1/cancel") for _, path in adapter.routes]
-    assert ids == [None, None, "resp_1"]
+    assert adapter.routes == (("POST", "/v1/responses"), ("GET", "/v1/responses/{id}"),
+                              ("POST", "/v1/responses/{id}/cancel"))
 
 
 BAD = [
