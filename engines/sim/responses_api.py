@@ -207,6 +207,16 @@ def parse_responses(body: Any, config: SimConfig, store: ResponseStore) -> Respo
     return ResponsesRequest(req, body, messages, keep, background)
 
 
+def echo_tool(tool: Any) -> Any:
+    """A function tool as vLLM echoes it (its optional fields spelled out as null)."""
+    if not isinstance(tool, Mapping) or tool.get("type") != "function":
+        return tool
+    return {"name": tool.get("name"), "parameters": tool.get("parameters"),
+            "strict": tool.get("strict"), "type": "function", "allowed_callers": None,
+            "async": None, "defer_loading": None, "description": tool.get("description"),
+            "output_schema": None}
+
+
 def new_response_id() -> str:
     return "resp_" + secrets.token_hex(8)
 
@@ -236,7 +246,7 @@ class ResponsesShaper:
                  usage: dict[str, Any] | None, incomplete: bool = False) -> dict[str, Any]:
         """The response object (vLLM's key order)."""
         b = self.rr.body
-        tools = list(b.get("tools") or [])
+        tools = [echo_tool(t) for t in b.get("tools") or []]
         return {
             "id": self.response_id, "created_at": self.created,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,

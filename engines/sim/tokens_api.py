@@ -172,13 +172,24 @@ def _encode(vec: list[float], b64: bool) -> list[float] | str:
     return base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
 
 
+def _sampling_params(max_tokens: int, temperature: float, responses: bool) -> dict[str, Any]:
+    """vLLM's dump: ``top_p``/``min_p`` only when sampling (not greedy), ``extra_args`` from
+    the Responses route."""
+    params: dict[str, Any] = {"presence_penalty": 0.0, "frequency_penalty": 0.0,
+                              "repetition_penalty": 1.0, "temperature": temperature}
+    if temperature > 0:
+        params |= {"top_p": 1.0, "min_p": 0.0}
+    params |= {"stop": [], "stop_token_ids": [], "max_tokens": max_tokens, "output_kind": 2,
+               "skip_clone": True}
+    if responses:
+        params["extra_args"] = {}
+    return params | {"bad_words": [], "skip_reading_prefix_cache": False}
+
+
 def generate_request(request_id: str, model: str, ids: list[int], max_tokens: int,
                      temperature: float, cache_salt: Any) -> dict[str, Any]:
     """vLLM's ``GenerateRequest`` as the render API answers it."""
-    params = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-              "temperature": temperature, "stop": [], "stop_token_ids": [],
-              "max_tokens": max_tokens, "output_kind": 2, "skip_clone": True, "bad_words": [],
-              "skip_reading_prefix_cache": False}
+    params = _sampling_params(max_tokens, temperature, request_id.startswith("resp_"))
     return {"request_id": request_id, "token_ids": ids, "token_offsets": None, "features": None,
             "content_parts": None, "sampling_params": params, "model": model,
             "reasoning_ended": None, "reasoning_parser_kwargs": None, "return_token_ids": None,
@@ -239,10 +250,11 @@ class TokensApi:
         """Errors in the OpenAI shape, as vLLM's render router answers them."""
         try:
             self._scale_out()
-            req = parse_messages(await read_body(request), self.config)
-            body = generate_request("chatcmpl-" + secrets.token_hex(8), req.model,
-                                    req.prompt_ids, req.max_tokens, 1.0, req.cache_salt)
-            return JSONResponse(body)
+            body = await read_body(request)
+            req = parse_messages(body, self.config)
+            return JSONResponse(generate_request(
+                "chatcmpl-" + secrets.token_hex(8), req.model, req.prompt_ids, req.max_tokens,
+                float(body.get("temperature", 1.0)), req.cache_salt))
         except ApiError as exc:
             return JSONResponse(exc.body(), exc.status)
 
