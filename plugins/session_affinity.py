@@ -74,6 +74,7 @@ DEFAULT_HEADERS: tuple[str, ...] = (
     "x-dynamo-session-id",
     "x-claude-code-session-id",
     "x-smg-routing-key",
+    "session-id",
 )
 #: Tenant placeholder for unauthenticated requests (no api-keys plugin configured).
 NO_TENANT = "-"
