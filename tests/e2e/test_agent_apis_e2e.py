@@ -56,7 +56,7 @@ from tests.integration.billing_helpers import ALL, Keys, expected_cost, write_ke
 pytestmark = pytest.mark.e2e
 BLOCK = 128  # vLLM's CPU KV block size
 TURNS = (False, True, False, True)  # stream?
-AGENT_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
+AGENT_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic", "--enable-scale-out"]
 TOOLS: list[Any] = [{"name": "get_weather", "description": "Weather of a city",
                      "input_schema": {"type": "object",
                                       "properties": {"city": {"type": "string"}}}}]
@@ -231,6 +231,40 @@ PARITY: list[tuple[str, str, str, Any]] = [
     ("tokenize messages", "POST", "/tokenize", {"model": SERVED_NAME, "messages": MSG}),
     ("detokenize", "POST", "/detokenize", {"model": SERVED_NAME, "tokens": [0, 1000]}),
     ("embeddings on a generate runner", "POST", "/v1/embeddings", {"input": "x"}),
+    ("messages tools", "POST", "/v1/messages",
+     {"model": SERVED_NAME, "max_tokens": 4, "messages": MSG, "tools": TOOLS}),
+    ("messages tools stream", "POST", "/v1/messages",
+     {"model": SERVED_NAME, "max_tokens": 4, "messages": MSG, "tools": TOOLS, "stream": True}),
+    ("messages system blocks", "POST", "/v1/messages",
+     {"model": SERVED_NAME, "max_tokens": 4, "messages": MSG,
+      "system": [{"type": "text", "text": "Be terse."}]}),
+    ("count_tokens tools", "POST", "/v1/messages/count_tokens",
+     {"model": SERVED_NAME, "messages": MSG, "tools": TOOLS, "system": "Be terse."}),
+    ("responses tools", "POST", "/v1/responses", {
+        "model": SERVED_NAME, "input": "x", "max_output_tokens": 4, "tools": [{
+            "type": "function", "name": "f", "description": "d",
+            "parameters": {"type": "object", "properties": {}}}]}),
+    ("responses instructions and items", "POST", "/v1/responses", {
+        "model": SERVED_NAME, "instructions": "Be terse.", "max_output_tokens": 4, "input": [
+            {"role": "user", "content": "Hi"},
+            {"type": "message", "role": "assistant",
+             "content": [{"type": "output_text", "text": "Yo"}]},
+            {"role": "user", "content": [{"type": "input_text", "text": "again"}]}]}),
+    ("responses not stored", "POST", "/v1/responses",
+     {"model": SERVED_NAME, "input": "x", "max_output_tokens": 4, "store": False}),
+    ("responses too long", "POST", "/v1/responses",
+     {"model": SERVED_NAME, "input": "x", "max_output_tokens": 10**5}),
+    ("tokenize token strs", "POST", "/tokenize",
+     {"model": SERVED_NAME, "messages": MSG, "return_token_strs": True}),
+    ("tokenize unknown model", "POST", "/tokenize", {"model": "nope", "prompt": "x"}),
+    ("render chat", "POST", "/v1/chat/completions/render", {"model": SERVED_NAME,
+                                                            "messages": MSG}),
+    ("render messages", "POST", "/v1/messages/render",
+     {"model": SERVED_NAME, "max_tokens": 8, "messages": MSG}),
+    ("render responses", "POST", "/v1/responses/render",
+     {"model": SERVED_NAME, "input": "Hello there", "max_output_tokens": 8}),
+    ("render unknown model", "POST", "/v1/messages/render",
+     {"model": "nope", "max_tokens": 8, "messages": MSG}),
 ]
 
 
