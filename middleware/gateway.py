@@ -24,7 +24,7 @@ from middleware.asgi import (
 from middleware.config import GatewayConfig
 from middleware.context import RequestContext, TrackedSend
 from middleware.disagg import TwoHop
-from middleware.dispatch import Dispatcher
+from middleware.dispatch import Dispatcher, race
 from middleware.errors import (
     ConfigError,
     HTTPError,
@@ -196,6 +196,10 @@ class Gateway:
             self.states.count("unhealthy")
             raise NoEndpointAvailable(f"the engine holding {state_id!r} is out of rotation")
         self.states.count("hit")
+        return await race(self._forward_by_id(ctx, method, body, ep), ctx.receive)
+
+    async def _forward_by_id(self, ctx: RequestContext, method: str, body: bytes,
+                             ep: Endpoint) -> int:
         assert self.session is not None
         query = ctx.query.decode("latin-1")
         url = ep.url + ctx.adapter.upstream_path(ctx.path) + (f"?{query}" if query else "")
