@@ -92,8 +92,12 @@ def chat_prompt(data: Mapping[str, Any]) -> ChatPrompt:
     reasoning = data.get("reasoning")
     effort = reasoning.get("effort") if isinstance(reasoning, Mapping) else None
     cont = continues_final_message(items)
+    # add_special_tokens: vLLM 0.32's Responses leaves TokenizeParams' default (True,
+    # renderers/params.py) where chat passes the request's False: the engine tokenizes the
+    # rendered template with the BOS added again, and routing must hash the same ids.
     return ChatPrompt(messages=messages, tools=tool_dicts(data.get("tools") or []),
                       add_generation_prompt=not cont, continue_final_message=cont,
+                      add_special_tokens=True,
                       template_kwargs=template_kwargs(data.get("chat_template_kwargs"), effort))
 
 

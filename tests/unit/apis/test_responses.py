@@ -13,7 +13,7 @@ import pytest
 from openai.types.responses import ResponseErrorEvent
 
 from apis.responses import MARKERS, ResponsesAdapter, ResponsesTap
-from middleware.api import ApiAdapter, SseEvent, UsageTap
+from middleware.api import ApiAdapter, ChatPrompt, SseEvent, UsageTap
 from middleware.errors import BadRequest, ModelNotFound, NotFound, UpstreamError
 from middleware.types import Usage
 from tests.unit.apis.samples import load_json, load_sse, parse_sse, raw
@@ -65,6 +65,9 @@ def test_parse() -> None:
     assert parsed.model == "m" and parsed.stream and parsed.client_wants_usage
     assert parsed.prompt is not None and parsed.requires_state is None
     assert parsed.prompt_token_estimate == 10  # (40 + 2) bytes / 4
+    # vLLM 0.32 tokenizes a rendered Responses prompt with special tokens (a second BOS;
+    # renderers/params.py TokenizeParams default): routing must hash the same ids
+    assert isinstance(parsed.prompt, ChatPrompt) and parsed.prompt.add_special_tokens
 
 
 def test_background_only_when_allowed() -> None:
