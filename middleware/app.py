@@ -38,7 +38,7 @@ from middleware.errors import (
 from middleware.gateway import ApiRoutes, Gateway
 from middleware.metrics import GatewayMetrics
 from middleware.pipeline import build_pipeline
-from middleware.plugin import HealthSource, HttpRequest, MetricsSource
+from middleware.plugin import HealthSource, HttpRequest, MetricsSource, authenticate
 from middleware.pool import EndpointPool
 from middleware.registry import Registry
 from middleware.states import StateMap, StateMapCollector
@@ -209,7 +209,7 @@ class KvgateApp:
         catalog = self.pipeline.catalog
         if catalog is not None:
             auth = self.pipeline.authenticator
-            principal = None if auth is None else auth.authenticate(headers.get("authorization"))
+            principal = None if auth is None else authenticate(auth, headers)
             if model_id is None:
                 return {"object": "list", "data": list(catalog.list_models(principal))}
             return catalog.get_model(model_id, principal)

@@ -40,7 +40,8 @@ class RequestContext:
     adapter: ApiAdapter
     send: TrackedSend
     receive: Receive
-    #: The client's request headers (lower-cased; ``authorization`` included: never logged).
+    #: The client's request headers (lower-cased; ``authorization`` and ``x-api-key``
+    #: included: never logged).
     headers: dict[str, str]
     path: str
     query: bytes

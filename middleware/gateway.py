@@ -37,6 +37,7 @@ from middleware.errors import (
 from middleware.metrics import GatewayMetrics
 from middleware.pipeline import Pipeline
 from middleware.plan import MODEL_PLAN, PlanRunner
+from middleware.plugin import authenticate
 from middleware.pool import EndpointPool
 from middleware.requests import build_request, client_request_id, load_body, new_request_id
 from middleware.states import StateMap
@@ -166,7 +167,7 @@ class Gateway:
 
     async def _serve(self, ctx: RequestContext, client_rid: str | None) -> int:
         auth = self.pipeline.authenticator
-        principal = None if auth is None else auth.authenticate(ctx.headers.get("authorization"))
+        principal = None if auth is None else authenticate(auth, ctx.headers)
         body = await read_body(ctx.receive, ctx.headers, self.config.server.max_body_bytes)
         data = load_body(body)
         ctx.parsed = ctx.adapter.parse(data, ctx.headers)
@@ -185,7 +186,7 @@ class Gateway:
     async def _by_id(self, ctx: RequestContext, method: str, state_id: str) -> int:
         """A by-id route: forwarded as is to the engine that holds ``state_id``."""
         auth = self.pipeline.authenticator
-        principal = None if auth is None else auth.authenticate(ctx.headers.get("authorization"))
+        principal = None if auth is None else authenticate(auth, ctx.headers)
         body = await read_body(ctx.receive, ctx.headers, self.config.server.max_body_bytes)
         holder = self.states.holder(state_id, None if principal is None else principal.tenant)
         if holder is None:

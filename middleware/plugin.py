@@ -109,13 +109,26 @@ class ProfileHandler(Protocol):
 
 @runtime_checkable
 class Authenticator(Protocol):
-    """Checks the ``Authorization`` header before any other work (at most one per gateway).
+    """Checks the client's credentials before any other work (at most one per gateway): the
+    ``Authorization`` header and Anthropic's ``x-api-key`` header (what the anthropic SDK and
+    Claude Code send), both None when absent.
 
     Raises Unauthorized (401); the returned principal sets the request's tenant and key id.
-    Route plugins may call it too (e.g. admin endpoints).
+    Route plugins may call it too (e.g. admin endpoints, :func:`authenticate`).
     """
 
-    def authenticate(self, authorization: str | None) -> Principal: ...
+    def authenticate(self, authorization: str | None, api_key: str | None = None) -> Principal:
+        ...
+
+
+#: Request headers carrying the client's credentials: never in ``InferenceRequest.headers``,
+#: never logged or forwarded to an engine.
+CREDENTIAL_HEADERS = frozenset({"authorization", "x-api-key"})
+
+
+def authenticate(auth: Authenticator, headers: Mapping[str, str]) -> Principal:
+    """``auth``'s principal for lower-cased request ``headers`` (their credential headers)."""
+    return auth.authenticate(headers.get("authorization"), headers.get("x-api-key"))
 
 
 @runtime_checkable
@@ -195,7 +208,8 @@ class Lifecycle(Protocol):
 @dataclass(frozen=True, slots=True)
 class HttpRequest:
     """A non-inference request routed to a plugin. ``headers`` are lower-cased and *include*
-    ``authorization`` (route handlers authenticate themselves); never log them."""
+    the credential headers (``authorization``, ``x-api-key``: route handlers authenticate
+    themselves, :func:`authenticate`); never log them."""
 
     method: str
     path: str

@@ -17,6 +17,7 @@ import orjson
 
 from middleware.api import ApiAdapter, ParsedRequest
 from middleware.errors import BadRequest
+from middleware.plugin import CREDENTIAL_HEADERS
 from middleware.registry import load_apis
 from middleware.types import InferenceRequest
 
@@ -62,8 +63,8 @@ def build_request(
     adapter: ApiAdapter, parsed: ParsedRequest, data: dict[str, Any], body: bytes,
     headers: Mapping[str, str], rid: str, client_rid: str | None = None,
 ) -> InferenceRequest:
-    """The request plugins see (``authorization`` left out of its headers)."""
-    forwarded = {k: v for k, v in headers.items() if k != "authorization"}
+    """The request plugins see (the credential headers left out of its headers)."""
+    forwarded = {k: v for k, v in headers.items() if k not in CREDENTIAL_HEADERS}
     return InferenceRequest(
         request_id=rid, api=adapter.name, model=parsed.model, body=data, headers=forwarded,
         stream=parsed.stream, client_wants_usage=parsed.client_wants_usage,

@@ -104,7 +104,8 @@ class Endpoint:
 class InferenceRequest:
     """One client request as the pipeline sees it.
 
-    ``headers`` are lower-cased and never contain ``authorization``.
+    ``headers`` are lower-cased and never contain the credential
+    headers (``authorization``, ``x-api-key``).
     ``body`` is the parsed JSON body; plugins may add engine fields before dispatch.
     ``api`` is the name of the client API's adapter (``chat``, ``completions``, ``messages``
     ...; see middleware/api.py); ``prompt`` what routing matches, in the adapter's view

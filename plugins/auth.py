@@ -1,4 +1,5 @@
-"""``api-keys``: tenants and API keys. ``Authorization: Bearer <key>`` is checked before any
+"""``api-keys``: tenants and API keys. ``Authorization: Bearer <key>`` (or Anthropic's
+``x-api-key: <key>``, as the anthropic SDK and Claude Code send it) is checked before any
 other work; keys are stored hashed; per-key model allow-list, admin flag and optional budget.
 
 Keys file (YAML)::
@@ -114,6 +115,21 @@ def bearer(value: str | None) -> str | None:
     return token.strip()
 
 
+def credential(authorization: str | None, api_key: str | None) -> str | None:
+    """The API key from an ``Authorization: Bearer`` value and/or an ``x-api-key`` value (None
+    if neither; 401 if malformed, or if both are present and differ)."""
+    token = bearer(authorization)
+    if api_key is None:
+        return token
+    key = api_key.strip()
+    if not key:
+        raise Unauthorized("x-api-key header is empty")
+    if token is not None and token != key:
+        raise Unauthorized("conflicting credentials: the Authorization and x-api-key headers "
+                           "carry different API keys; send one")
+    return key
+
+
 class ApiKeys(Plugin, Authenticator, RequestHook):
     """``api-keys``: authenticates every inference request (401), checks the key's model
     allow-list (403), and sets ``req.tenant`` / ``req.key_id`` and the ``api-key`` state.
@@ -159,14 +175,16 @@ class ApiKeys(Plugin, Authenticator, RequestHook):
         else:
             log.info("api-keys: %d keys loaded", len(self._keys))
 
-    def authenticate(self, authorization: str | None) -> ApiKey:
-        """The caller's key from an Authorization value, or Unauthorized (route plugins use it
-        for admin endpoints too)."""
+    def authenticate(self, authorization: str | None, api_key: str | None = None) -> ApiKey:
+        """The caller's key from an ``Authorization: Bearer`` value or an ``x-api-key`` value
+        (Anthropic's header), or Unauthorized (route plugins use it for admin endpoints too).
+        Both present must name the same key."""
         if self.disabled:
             return LOCAL
-        token = bearer(authorization)
+        token = credential(authorization, api_key)
         if token is None:
-            raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+            raise Unauthorized("missing API key: send 'Authorization: Bearer <key>' or "
+                               "'x-api-key: <key>'")
         key = self._keys.get(hash_key(token))
         if key is None:
             raise Unauthorized("invalid API key")

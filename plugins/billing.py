@@ -58,6 +58,7 @@ from middleware.plugin import (
     Route,
     RouteProvider,
     UsageHook,
+    authenticate,
 )
 from middleware.types import (
     CycleState,
@@ -219,7 +220,7 @@ class Billing(Plugin, RequestHook, UsageHook, CompletionHook, Lifecycle, RoutePr
 
     async def _usage_api(self, request: HttpRequest) -> HttpResponse:
         if self.auth is not None:
-            key = self.auth.authenticate(request.headers.get("authorization"))
+            key = authenticate(self.auth, request.headers)
             if not getattr(key, "admin", False):
                 raise Forbidden("the usage API needs an admin key", code="admin_required")
         try:

@@ -19,7 +19,7 @@ from middleware.errors import ConfigError
 from middleware.pipeline import build_pipeline
 from middleware.registry import Registry
 from plugins.auth import hash_key, load_keys, new_key
-from tests.integration.conftest import gateway, gateway_config
+from tests.integration.conftest import gateway, gateway_config, serve_gateway
 
 CHAT: dict[str, Any] = {"model": "sim-model", "max_tokens": 2,
                         "messages": [{"role": "user", "content": "hi"}]}
@@ -109,3 +109,90 @@ def test_keys_cli_stores_only_the_hash(tmp_path: Path) -> None:
         assert key not in path.read_text()
         assert hash_key(key) in load_keys(path)
     assert [k.key_id for k in load_keys(path).values()] == ["acme-1", "acme-2"]
+
+
+# ---- x-api-key (Anthropic's header) ---------------------------------------------------------
+
+MESSAGES: dict[str, Any] = {"model": "sim-model", "max_tokens": 2,
+                            "messages": [{"role": "user", "content": "hi"}]}
+
+#: (case, Authorization value, x-api-key value, status); "full"/"narrow" name generated keys.
+X_API_KEY_CASES: list[tuple[str, str | None, str | None, int]] = [
+    ("x-api-key alone", None, "full", 200),
+    ("x-api-key unknown", None, "kvg-nope", 401),
+    ("x-api-key empty", None, "", 401),
+    ("x-api-key blank", None, "  ", 401),
+    ("x-api-key model not allowed", None, "narrow", 403),
+    ("both, same key", "full", "full", 200),
+    ("both, different keys", "full", "narrow", 401),
+    ("both, one unknown", "full", "kvg-nope", 401),
+    ("bad bearer with x-api-key", "Basic abc", "full", 401),
+]
+
+
+def _auth_headers(keys: dict[str, str], authorization: str | None,
+                  api_key: str | None) -> dict[str, str]:
+    headers = {}
+    if authorization is not None:
+        headers["authorization"] = (f"Bearer {keys[authorization]}" if authorization in keys
+                                    else authorization)
+    if api_key is not None:
+        headers["x-api-key"] = keys.get(api_key, api_key)
+    return headers
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+@pytest.mark.parametrize(("case", "authorization", "api_key", "status"), X_API_KEY_CASES,
+                         ids=[c[0] for c in X_API_KEY_CASES])
+async def test_x_api_key(fleet: list[RunningSim], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                         path: str, case: str, authorization: str | None, api_key: str | None,
+                         status: int) -> None:
+    """``x-api-key`` authenticates like ``Authorization: Bearer`` on every API; both naming
+    different keys is a 401 saying so; the header never reaches plugins."""
+    from plugins.auth import ApiKeys
+
+    seen: list[dict[str, str]] = []
+    original = ApiKeys.on_request
+
+    async def spy(self: ApiKeys, req: Any, state: Any) -> None:
+        seen.append(dict(req.headers))
+        await original(self, req, state)
+
+    monkeypatch.setattr(ApiKeys, "on_request", spy)
+    keys_path, keys = _keys_file(tmp_path)
+    headers = _auth_headers(keys, authorization, api_key)
+    body = CHAT if path == "/v1/chat/completions" else MESSAGES
+    async with gateway(_with_auth([s.url for s in fleet], {"file": str(keys_path)})) as (_, c):
+        resp = await c.post(path, headers=headers, json=body)
+    assert resp.status_code == status, resp.text
+    if case == "both, different keys":
+        assert "x-api-key" in resp.text and "different API keys" in resp.text
+    if path == "/v1/messages" and status != 200:
+        assert resp.json()["type"] == "error"
+    for key in keys.values():
+        assert key not in resp.text
+    for h in seen:
+        assert "x-api-key" not in h and "authorization" not in h
+
+
+async def test_anthropic_sdk_api_key(fleet: list[RunningSim], tmp_path: Path) -> None:
+    """The real anthropic SDK with ``api_key=`` (it sends ``x-api-key``) against the gateway
+    served on loopback: accepted (plain and streamed); a wrong key raises the SDK's
+    AuthenticationError, a key without the model its PermissionDeniedError."""
+    import anthropic
+
+    keys_path, keys = _keys_file(tmp_path)
+    data = _with_auth([s.url for s in fleet], {"file": str(keys_path)})
+    async with serve_gateway(data) as (_, url):
+        def client(key: str) -> anthropic.AsyncAnthropic:
+            return anthropic.AsyncAnthropic(base_url=url, api_key=key, max_retries=0)
+
+        msg = await client(keys["full"]).messages.create(**MESSAGES)
+        assert msg.usage.output_tokens == 2
+        async with client(keys["full"]).messages.stream(**MESSAGES) as stream:
+            final = await stream.get_final_message()
+        assert final.usage.output_tokens == 2
+        with pytest.raises(anthropic.AuthenticationError, match="invalid API key"):
+            await client("kvg-wrong").messages.create(**MESSAGES)
+        with pytest.raises(anthropic.PermissionDeniedError):
+            await client(keys["narrow"]).messages.create(**MESSAGES)
