@@ -232,6 +232,10 @@ def anthropic_error(err: HTTPError) -> dict[str, Any]:
 class _AnthropicShape:
     """What both Anthropic endpoints share: paths, errors."""
 
+    #: vLLM answers validation errors on the Messages routes in OpenAI's shape: the core
+    #: renders engine 4xx answers through :meth:`error_body` (Anthropic's, engine's message).
+    relay_engine_errors: ClassVar[bool] = False
+
     def upstream_path(self, path: str) -> str:
         return path
 

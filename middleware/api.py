@@ -30,7 +30,11 @@ What the core does with an adapter (middleware/gateway.py, middleware/dispatch.p
    successful dispatch.
 6. Every ``HTTPError`` raised after the adapter is known is rendered by
    :meth:`ApiAdapter.error_body`; a stream the engine breaks ends with
-   :meth:`ApiAdapter.stream_error`. Engine 4xx answers are relayed unchanged.
+   :meth:`ApiAdapter.stream_error`. Engine 4xx answers (:class:`UpstreamHTTPError`) are
+   relayed unchanged, unless the adapter says ``relay_engine_errors = False`` (its shape is
+   not the engine's, e.g. vLLM answers ``/v1/messages`` validation errors in OpenAI's
+   shape): then :meth:`ApiAdapter.error_body` renders them, keeping the status (and, by the
+   adapter's choice, the engine's message).
 
 **By-id routes.** A route whose path has an ``{id}`` segment (``GET /v1/responses/{id}``,
 ``POST /v1/responses/{id}/cancel``) is served without a body model: after authentication the
@@ -44,7 +48,8 @@ request hooks are not used for them.
 ``ApiAdapter.billed`` (default True; False: the billing plugin records nothing, e.g.
 tokenize), ``UsageTap.markers`` (default: every event is parsed) and ``UsageTap.sse_done``
 (default False; True: the stream ends with ``data: [DONE]``, and one without it broke; False:
-a stream is complete once the tap is ``final``).
+a stream is complete once the tap is ``final``), ``ApiAdapter.relay_engine_errors`` (default
+True: engine 4xx bodies are relayed as they are; False: rendered by ``error_body``).
 """
 
 from __future__ import annotations

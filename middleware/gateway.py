@@ -144,11 +144,13 @@ class Gateway:
 
     async def send_error(self, ctx: RequestContext, err: HTTPError) -> None:
         """The one place an API request's error becomes a response: the adapter's shape;
-        an engine's own 4xx answer relayed unchanged."""
+        an engine's own 4xx answer relayed unchanged, unless the adapter's shape is not the
+        engine's (``relay_engine_errors = False``: rendered by ``error_body``)."""
         if ctx.started:
             log.error("error after the response started (%s): %s", ctx.request_id, err.message)
             return
-        if isinstance(err, UpstreamHTTPError):
+        if isinstance(err, UpstreamHTTPError) and getattr(ctx.adapter, "relay_engine_errors",
+                                                          True):
             headers = [(b"content-type", err.content_type.encode()), *ctx.response_headers]
             await send_bytes(ctx.send, err.status, err.raw_body, headers)
             return

@@ -29,7 +29,7 @@ from middleware.plugin import CompletionHook, Plugin, UsageHook
 from middleware.registry import Registry, load_apis
 from middleware.types import CycleState, Endpoint, InferenceRequest, Outcome, TextPrompt, Usage
 from tests.integration.billing_helpers import billing_config, ledger_list, write_keys
-from tests.integration.conftest import gateway, gateway_config, sim_fleet
+from tests.integration.conftest import gateway, gateway_config, serve_gateway, sim_fleet
 from tests.servers import serve_asgi
 
 CHAT = {"model": "sim-model", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
@@ -218,6 +218,73 @@ async def test_errors_in_each_apis_shape(
         assert body["type"] == "error" and body["error"]["message"] and body["error"]["type"]
     if path != "/v1/nothing":  # every API request's answer names its request id
         assert resp.headers["x-request-id"]
+
+
+#: (case, path, fields added to a valid body the gateway passes, status, anthropic SDK exception
+#: name, words of the engine's message the answer keeps). The simulator rejects them as vLLM
+#: does: field types in OpenAI's validation shape, limits in its own.
+ENGINE_4XX: list[tuple[str, str, dict[str, Any], int, str, str]] = [
+    ("messages temperature type", "/v1/messages", {"temperature": "hot"}, 400,
+     "BadRequestError", "body.temperature"),
+    ("messages top_k type", "/v1/messages", {"top_k": "many"}, 400, "BadRequestError",
+     "body.top_k"),
+    ("messages tool_choice type", "/v1/messages", {"tool_choice": "auto"}, 400,
+     "BadRequestError", "body.tool_choice"),
+    ("messages max_tokens over the context", "/v1/messages", {"max_tokens": 10**6}, 400,
+     "BadRequestError", "cannot be greater than max_model_len"),
+    ("count_tokens tool_choice type", "/v1/messages/count_tokens", {"tool_choice": "auto"},
+     400, "BadRequestError", "body.tool_choice"),
+    ("chat temperature type", "/v1/chat/completions", {"temperature": "hot"}, 400, "", ""),
+    ("responses temperature type", "/v1/responses", {"temperature": "hot"}, 400, "", ""),
+]
+_VALID: dict[str, dict[str, Any]] = {
+    "/v1/messages": {"model": "sim-model", "max_tokens": 4,
+                     "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/messages/count_tokens": {"model": "sim-model",
+                                  "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/chat/completions": CHAT,
+    "/v1/responses": {"model": "sim-model", "input": "hi", "max_output_tokens": 4},
+}
+
+
+@pytest.mark.parametrize(("case", "path", "extra", "status", "exc", "words"), ENGINE_4XX,
+                         ids=[c[0] for c in ENGINE_4XX])
+async def test_engine_4xx_in_the_apis_shape(
+    fleet: list[RunningSim], case: str, path: str, extra: dict[str, Any], status: int,
+    exc: str, words: str,
+) -> None:
+    """An engine's 4xx answer reaches an Anthropic client in Anthropic's shape (status and the
+    engine's message kept; the SDK raises the status's class); OpenAI-shaped APIs relay the
+    engine's bytes unchanged."""
+    import anthropic
+
+    def engine_message(answer: dict[str, Any]) -> str:
+        return str(answer["error"]["message"])
+
+    body = {**_VALID[path], **extra}
+    async with httpx.AsyncClient(base_url=fleet[0].url) as direct:
+        engine = await direct.post(path, json=body)
+    assert engine.status_code == status, engine.text
+    data = gateway_config([fleet[0].url])
+    async with serve_gateway(data) as (_, url), httpx.AsyncClient(base_url=url) as http:
+        resp = await http.post(path, json=body)
+        assert resp.status_code == status, resp.text
+        assert resp.headers["x-request-id"]
+        if not exc:
+            assert resp.content == engine.content  # the engine's own body, relayed
+            return
+        payload = resp.json()
+        assert payload["type"] == "error" and set(payload) == {"type", "error"}
+        assert payload["error"]["type"] == "invalid_request_error"
+        assert words in payload["error"]["message"]
+        assert payload["error"]["message"] == engine_message(engine.json())
+        client = anthropic.AsyncAnthropic(base_url=url, api_key="x", max_retries=0)
+        call = (client.messages.count_tokens if path.endswith("count_tokens")
+                else client.messages.create)
+        with pytest.raises(getattr(anthropic, exc)) as caught:
+            await call(**_VALID[path], extra_body=extra)
+        assert words in str(caught.value)
+        assert caught.value.body["type"] == "error"
 
 
 async def test_no_healthy_engine_and_405_shapes() -> None:
