@@ -7,7 +7,9 @@ not ask for it, the tap reads it and drops it from the client's stream.
 
 Usage conventions (vLLM, SGLang, OpenAI): ``usage.prompt_tokens`` includes cached tokens,
 ``usage.prompt_tokens_details.cached_tokens`` is the cached part (absent: unknown, None),
-``completion_tokens`` is absent for pooling answers (0).
+``.created_cache_tokens`` (vLLM) the cache writes, ``completion_tokens`` is absent for pooling
+answers (0); read by pricing/usage_conventions.py's ``openai-chat`` normaliser, the one
+implementation every adapter uses.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from typing import Any, ClassVar
 
 import orjson
 
+from apis._common import to_usage
 from middleware.api import ParsedRequest, SseEvent
 from middleware.connector import rewrite_usage
 from middleware.errors import BadRequest, HTTPError
 from middleware.sse import error_event
 from middleware.types import ChatPrompt, Prompt, TextPrompt, TokenPrompt, Usage
+from pricing.usage_conventions import Convention, normalise
 
 #: Rough bytes per prompt token for text, used only to size in-flight token estimates before a
 #: tokenizer (a plugin) refines them; ~4 bytes/token holds for English BPE vocabularies.
@@ -30,22 +34,11 @@ BYTES_PER_TOKEN = 4
 USAGE_MARKERS = (b'"usage":{', b'"usage": {')
 
 
-def _int(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 def openai_usage(payload: Mapping[str, Any]) -> Usage | None:
-    """Usage of an OpenAI-shaped answer or chunk; None when it carries none."""
-    usage = payload.get("usage")
-    if not isinstance(usage, Mapping):
-        return None
-    prompt = usage.get("prompt_tokens")
-    completion = usage.get("completion_tokens", 0)
-    if not isinstance(prompt, int) or not isinstance(completion, int):
-        return None
-    details = usage.get("prompt_tokens_details")
-    cached = _int(details.get("cached_tokens")) if isinstance(details, Mapping) else None
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
+    """Usage of an OpenAI-shaped answer or chunk (``openai-chat`` convention of
+    pricing/usage_conventions.py: cache reads and vLLM's ``created_cache_tokens`` cache
+    writes); None when it carries none."""
+    return to_usage(normalise(Convention.OPENAI_CHAT, payload.get("usage")))
 
 
 def is_token_ids(value: object) -> bool:

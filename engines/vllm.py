@@ -136,5 +136,6 @@ class VllmAdapter:
         return body
 
     def extract_usage(self, payload: Mapping[str, Any]) -> Usage | None:
-        """OpenAI-shaped usage (``cached_tokens`` None when not reported)."""
+        """OpenAI-shaped usage (``cached_tokens`` None when not reported; vLLM's
+        ``created_cache_tokens`` as ``cache_write_tokens``), as the chat adapter reads it."""
         return openai_usage(payload)
