@@ -2,10 +2,11 @@
 simulated engines publishing KV events. The engines hold every request 0.5 s before running it
 (fault ``delay_first_byte_s``), so the whole burst (6 requests over ~25 ms) is routed before the
 first request's ``BlockStored`` can arrive. Speculative entries let placement see the prefix the
-first request is computing (its decisions are no longer all "cold"); without them the burst is
-placed blind. Either way the burst is spread: on the engine computing the prefix a request would
-wait for that prefill (in-flight work) and then reuse it, elsewhere it computes it at once — and
-a prefix sent six times at once is worth holding on both engines."""
+first request is computing (its decisions are no longer all "cold"), and the burst follows it:
+the prefix is computed once and reused five times, since the queue it waits behind (six
+~2.1k-token prompts) is far below the saturation point (``load_weight`` 0.1: a queue worth ten
+times the prefix held). Without speculation the burst is placed blind, as cold work spread by
+pressure over both engines, each computing the prefix."""
 
 from __future__ import annotations
 
@@ -78,6 +79,7 @@ async def test_burst_of_a_new_prefix_is_placed_knowing_the_first_request(
     async with _gateway(speculative_ttl_s) as client:
         placed = await asyncio.gather(*(_one(client, i) for i in range(BURST)))
         decisions = _decisions((await client.get("/metrics")).text)
-    assert len(set(placed)) == 2, placed  # spread: both engines prefill it once, in parallel
+    # seen: one engine computes the prefix once; blind: spread as cold work, computed twice
+    assert len(set(placed)) == (1 if seen else 2), placed
     assert sum(decisions.values()) == BURST
     assert (decisions["cold"] < BURST) is seen, decisions
