@@ -91,7 +91,9 @@ class Connector(Protocol):
         ...
 
     def prefill_hit(self, prefill_answer: Mapping[str, Any]) -> int | None:
-        """Prompt tokens the prefill engine found in its own cache (``None``: not reported)."""
+        """Prompt tokens the prefill engine found in its own cache (``None``: not reported).
+        The gateway asks only when the answer's usage, read through the request's API adapter,
+        reports no cached count (middleware.disagg.prefill_hit)."""
         ...
 
     async def prepare(self, session: aiohttp.ClientSession, ctx: HopContext) -> HopContext:
@@ -147,6 +149,18 @@ class PrefillHit:
         return decode_reported if convention == "prefill-hit" else None
 
 
+def _cache_writes(details: object) -> int:
+    """Cache-written prompt tokens in ``prompt_tokens_details`` (vLLM ``created_cache_tokens``,
+    OpenAI ``cache_write_tokens``), 0 when not reported."""
+    if not isinstance(details, Mapping):
+        return 0
+    for key in ("created_cache_tokens", "cache_write_tokens"):
+        n = _int(details.get(key))
+        if n is not None and n >= 0:
+            return n
+    return 0
+
+
 def rewrite_usage(payload: dict[str, Any], cached: int | None) -> bool:
     """Set ``usage.prompt_tokens_details.cached_tokens`` to ``cached`` in an answer or chunk
     (``prompt_tokens`` stays the decode engine's). Drops ``kv_transfer_params`` so the client
@@ -157,9 +171,9 @@ def rewrite_usage(payload: dict[str, Any], cached: int | None) -> bool:
     if not isinstance(usage, dict):
         return changed
     prompt = _int(usage.get("prompt_tokens"))
-    if cached is not None and prompt is not None:
-        cached = min(cached, prompt)
     details = usage.get("prompt_tokens_details")
+    if cached is not None and prompt is not None:  # reads and writes within the prompt
+        cached = max(0, min(cached, prompt - _cache_writes(details)))
     if not isinstance(details, dict):
         if cached is None:
             return changed

@@ -87,8 +87,8 @@ class UsageRewriter:
         changed = set_cached(payload, cached)
         if usage is None:
             return changed, None
-        if cached is not None:
-            cached = min(cached, usage.prompt_tokens)
+        if cached is not None:  # reads and writes within the prompt: nothing billed twice
+            cached = max(0, min(cached, usage.prompt_tokens - usage.cache_write_tokens))
         return changed, dataclasses.replace(usage, cached_tokens=cached)
 
     async def settle(self) -> None:
@@ -106,6 +106,18 @@ class UsageRewriter:
         if isinstance(payload, dict) and self.rewrite_chunk(payload):
             return json.dumps(payload, separators=(",", ":")).encode()
         return body
+
+
+def prefill_hit(rc: RequestContext, connector: Connector, answer: dict[str, Any]) -> int | None:
+    """The prefill engine's own cache hit: the cached tokens its answer's usage reports, read
+    through the request's adapter (the prefill hop answers in the client's API: a Messages
+    prefill reports ``cache_read_input_tokens``), else what the connector finds (e.g. vLLM's
+    ``kv_transfer_params.remote_prefill_cached_tokens``)."""
+    tap = rc.adapter.new_tap(False)
+    tap.on_json(answer)
+    if tap.usage is not None and tap.usage.cached_tokens is not None:
+        return tap.usage.cached_tokens
+    return connector.prefill_hit(answer)
 
 
 #: The gateway's decode forward: (body, rewriter, attempt) -> relayed to the client.
@@ -193,7 +205,7 @@ class TwoHop:
         answer = parse_answer(raw)
         if answer is None:
             raise TransferUnavailable("prefill answer is not a JSON object")
-        hit.set(self.connector.prefill_hit(answer))
+        hit.set(prefill_hit(rc, self.connector, answer))
         return answer
 
     def _fallback(self, req: InferenceRequest, ctx: HopContext, why: str) -> None:

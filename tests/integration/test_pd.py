@@ -360,3 +360,65 @@ async def test_prefill_load_released_when_the_prefill_hop_ends(protocol: str) ->
             await resp.read()
         await _until(lambda: len(scorer.tracker) == 0)
 
+
+
+def _messages_usage(resp: httpx.Response, stream: bool) -> dict[str, Any]:
+    """The usage an Anthropic client ends with (the SDK's merge of message_start and
+    message_delta in a stream)."""
+    if not stream:
+        data = resp.json()
+        assert data["type"] == "message" and "kv_transfer_params" not in data
+        return dict(data["usage"])
+    usage: dict[str, Any] = {}
+    for block in resp.text.split("\n\n"):
+        for line in block.splitlines():
+            if line.startswith("data: "):
+                event = json.loads(line[6:])
+                assert event["type"] != "error", event
+                assert "kv_transfer_params" not in event.get("message", event)
+                found = event.get("usage") or event.get("message", {}).get("usage")
+                usage.update(found or {})
+    return usage
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("reports", ["transferred", "prefill-hit"])
+async def test_messages_two_hops_report_the_prefill_hit(protocol: str, stream: bool,
+                                                        reports: str, tmp_path: Path) -> None:
+    """Anthropic Messages under P/D: the prefill hop answers in Messages' shape, its hit
+    (``cache_read_input_tokens``) is found through the adapter and shown to the client and
+    billed (cold 0, then the block-aligned prefix), with input + reads + writes = prompt."""
+    keys = write_keys(tmp_path)
+    prices = tmp_path / "prices.yaml"
+    prices.write_text(PRICES_YAML)
+    billing = [{"type": "api-keys", "params": {"file": str(keys.path)}},
+               {"type": "billing", "params": {"prices": str(prices),
+                                              "ledger": f"sqlite://{tmp_path}/ledger.sqlite",
+                                              "spool": str(tmp_path / "spool")}}]
+    async with contextlib.AsyncExitStack() as stack:
+        pd = PdSimConfig(decode_reports=reports, bootstrap_port=0)
+        pre_sim = await stack.enter_async_context(serve_sim(SimConfig(
+            engine_id="p0", role="prefill", time_scale=0.0, seed=7, pd=pd)))
+        dec_sim = await stack.enter_async_context(serve_sim(SimConfig(
+            engine_id="d0", role="decode", time_scale=0.0, seed=7, pd=pd)))
+        data = _pd_data([pre_sim], [dec_sim], protocol)
+        data["plugins"] = [*billing, *data["plugins"]]
+        app, client = await stack.enter_async_context(gateway(data))
+        client.headers["x-api-key"] = keys.user
+        seen: dict[str, int | None] = {}
+        for _ in range(2):
+            resp = await client.post("/v1/messages", json={
+                "model": "sim-model", "max_tokens": 8, "stream": stream,
+                "messages": [{"role": "user", "content": LONG}]})
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-kvgate-prefill-engine"] == "prefill-0"
+            usage = _messages_usage(resp, stream)
+            prompt = (usage["input_tokens"] + usage["cache_read_input_tokens"]
+                      + usage.get("cache_creation_input_tokens", 0))
+            assert prompt > 256
+            seen[resp.headers["x-request-id"]] = usage["cache_read_input_tokens"]
+        assert list(seen.values()) == [0, (prompt - 1) // 16 * 16]
+        rows = await ledger_rows(app)
+        assert {rid: rows[rid].cached_tokens for rid in seen} == seen
+        assert all(rows[rid].prompt_tokens == prompt for rid in seen)

@@ -116,3 +116,48 @@ def test_sse_missing_usage_chunk() -> None:
     data = _sse({"choices": [{"delta": {"content": "a"}}]}) + b"data: [DONE]\n\n"
     assert tap.feed(data) == data
     assert tap.usage is None and tap.done
+
+
+#: (case, decode usage, prefill hit, cached the client and hooks see). Cache writes the decode
+#: engine reports stay; the hit is clamped into what is left of the prompt, so pricing.cost
+#: (which refuses reads + writes beyond the prompt) never raises.
+CLAMP_CASES: list[tuple[str, Usage, int | None, int | None]] = [
+    ("hit within the prompt", Usage(100, 3, None, 30), 60, 60),
+    ("hit past prompt - writes", Usage(100, 3, None, 30), 90, 70),
+    ("hit past the prompt", Usage(100, 3, 0, 0), 150, 100),
+    ("writes are the whole prompt", Usage(100, 3, None, 100), 64, 0),
+    ("unknown hit", Usage(100, 3, None, 30), None, None),
+]
+
+
+@pytest.mark.parametrize(("case", "usage", "hit", "expected"), CLAMP_CASES,
+                         ids=[c[0] for c in CLAMP_CASES])
+def test_adjust_clamps_the_hit_into_prompt_minus_writes(case: str, usage: Usage,
+                                                        hit: int | None,
+                                                        expected: int | None) -> None:
+    from decimal import Decimal
+
+    from apis.anthropic import MessagesAdapter
+    from pricing.cost import TokenCounts, cost
+    from pricing.prices import ModelPrice
+
+    prefill = PrefillHit()
+    prefill.set(hit)
+    rw = UsageRewriter(prefill, "transferred")
+    chat = {"usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": 3,
+                      "prompt_tokens_details": {"cached_tokens": 0,
+                                                "created_cache_tokens": usage.cache_write_tokens}}}
+    messages = {"usage": {"input_tokens": usage.prompt_tokens - usage.cache_write_tokens,
+                          "cache_creation_input_tokens": usage.cache_write_tokens,
+                          "cache_read_input_tokens": 0, "output_tokens": 3}}
+    for payload, set_cached, tap in (
+            (chat, ChatCompletions().set_cached_tokens, ChatCompletions().new_tap(True)),
+            (messages, MessagesAdapter().set_cached_tokens, MessagesAdapter().new_tap(True))):
+        _, seen = rw.adjust(payload, usage, set_cached)
+        assert seen is not None and seen.cached_tokens == expected
+        tap.on_json(payload)  # what the client is shown agrees with what the hooks saw
+        assert tap.usage is not None and tap.usage.cached_tokens == expected
+        assert tap.usage.cache_write_tokens == usage.cache_write_tokens
+        price = ModelPrice(input=Decimal(3), cached_input=Decimal(1), output=Decimal(15))
+        cost(TokenCounts(prompt=seen.prompt_tokens, completion=seen.completion_tokens,
+                         cached=seen.cached_tokens, cache_write=seen.cache_write_tokens), price)
