@@ -208,9 +208,11 @@ class LitellmBackend:
         return self._litellm
 
     def _kwargs(self, req: InferenceRequest, step: BackendStep) -> dict[str, Any]:
-        if req.api != Api.CHAT:
-            raise BadRequest(f"model {req.model!r} is served by a provider: use "
-                             "/v1/chat/completions", param="model")
+        if req.api != Api.CHAT:  # LiteLLM's Messages / Responses bridges are not wired yet
+            raise BadRequest(
+                f"model {req.model!r} is served by a third-party provider through LiteLLM, "
+                f"which kvgate reaches only with /v1/chat/completions; {req.api!r} requests "
+                "are not supported for it", param="model")
         opts = step.options
         kwargs = {k: v for k, v in req.body.items() if k in PASSED}
         # retries are ours (catalog ``retries``); ``_skip_mcp_handler``: LiteLLM 1.106 routes

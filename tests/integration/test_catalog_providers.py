@@ -316,3 +316,22 @@ async def test_provider_models_in_metrics(tmp_path: Path, monkeypatch: pytest.Mo
         metrics = (await s.client.get("/metrics")).text
         assert 'kvgate_requests_total{api="chat",model="claude-x",status="200"} 1.0' in metrics
         assert 'kvgate_tokens_total{kind="cached",model="claude-x"}' in metrics
+
+
+@pytest.mark.parametrize(("path", "body", "shape"), [
+    ("/v1/messages", {"model": "claude-x", "max_tokens": 8,
+                      "messages": [{"role": "user", "content": "hi"}]}, "anthropic"),
+    ("/v1/responses", {"model": "gpt-x", "input": "hi"}, "openai"),
+    ("/v1/completions", {"model": "gpt-x", "prompt": "hi", "max_tokens": 8}, "openai"),
+])
+async def test_provider_models_name_the_api_they_lack(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str, body: dict[str, Any],
+        shape: str) -> None:
+    """A provider model asked through an API its LiteLLM bridge does not speak: a 400 in that
+    API's own shape naming the model and what is supported."""
+    async with provider_stack(tmp_path, monkeypatch) as s:
+        resp = await s.client.post(path, json=body, headers=s.keys.auth("admin"))
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert body["model"] in err["message"] and "/v1/chat/completions" in err["message"]
+        assert (resp.json().get("type") == "error") is (shape == "anthropic")
