@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import orjson
+from pydantic import BaseModel, ConfigDict
 
 from apis._anthropic_prompt import chat_view
 from apis._common import (
@@ -259,6 +260,13 @@ class MessagesAdapter(_AnthropicShape):
     routes: ClassVar[tuple[tuple[str, str], ...]] = (("POST", "/v1/messages"),)
     #: vLLM's Messages request takes kv_transfer_params and answers them (protocol.py:276,395).
     disaggregable: ClassVar[bool] = True
+
+    class Params(BaseModel):
+        """Options from the config's ``apis.messages`` section (docs/config.md)."""
+
+        model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+        #: Merge inline system messages into the leading system prompt (Qwen-like templates).
+        merge_inline_system: bool = False
 
     def __init__(self, merge_inline_system: bool = False) -> None:
         self.merge_inline_system = merge_inline_system

@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from pydantic import BaseModel, ConfigDict
+
 from apis._common import (
     estimate_tokens,
     openai_error_body,
@@ -198,6 +200,13 @@ class ResponsesAdapter(_ResponsesShape):
     routes: ClassVar[tuple[tuple[str, str], ...]] = (
         ("POST", "/v1/responses"), ("GET", "/v1/responses/{id}"),
         ("POST", "/v1/responses/{id}/cancel"))
+
+    class Params(BaseModel):
+        """Options from the config's ``apis.responses`` section (docs/config.md)."""
+
+        model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+        #: Accept ``background: true`` (its usage is never seen: not billed, not load).
+        allow_background: bool = False
 
     def __init__(self, allow_background: bool = False) -> None:
         #: ``background: true`` responses are generated after the answer (``status:

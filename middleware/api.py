@@ -50,6 +50,11 @@ tokenize), ``UsageTap.markers`` (default: every event is parsed) and ``UsageTap.
 (default False; True: the stream ends with ``data: [DONE]``, and one without it broke; False:
 a stream is complete once the tap is ``final``), ``ApiAdapter.relay_engine_errors`` (default
 True: engine 4xx bodies are relayed as they are; False: rendered by ``error_body``).
+
+**Options.** An adapter class may declare ``Params``, a pydantic model (``extra="forbid"``) of
+its options: the config's ``apis.<name>`` section is validated against it at startup and the
+values are passed to the class as keyword arguments (``MessagesAdapter(merge_inline_system=
+True)``); without ``Params`` the adapter takes no options and is built with none.
 """
 
 from __future__ import annotations

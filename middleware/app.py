@@ -65,7 +65,8 @@ class KvgateApp:
             if isinstance(plugin, MetricsSource):
                 self.metrics.registry.register(plugin.collector())
         plugin_paths = {path for _, path in self.pipeline.routes}
-        self.apis = ApiRoutes(registry.api_adapters(), _CORE_PATHS | plugin_paths)
+        adapters = registry.api_adapters(config.apis, config.source)
+        self.apis = ApiRoutes(adapters, _CORE_PATHS | plugin_paths)
         states = StateMap()
         self.metrics.registry.register(StateMapCollector(states))
         self.gateway = Gateway(config, self.pipeline, self.pool, self.metrics, states)

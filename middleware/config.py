@@ -142,6 +142,9 @@ class GatewayConfig(BaseModel):
     #: Two-hop dispatch settings; ``None``: decisions naming a prefill engine are served by
     #: their decode target alone.
     disaggregation: DisaggregationConfig | None = None
+    #: Options of client API adapters by adapter name (``kvgate.apis`` entry point), each
+    #: validated at startup against that adapter's ``Params`` model (middleware/registry.py).
+    apis: dict[str, dict[str, Any]] = Field(default_factory=dict)
     #: Where this config came from (for error messages); not a YAML key.
     source: str = Field("<config>", exclude=True)
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
+from pydantic import BaseModel, ValidationError
+
 from middleware.api import ApiAdapter
 from middleware.engine import EngineAdapter
 from middleware.errors import ConfigError
@@ -37,7 +39,7 @@ def _load_group(group: str) -> dict[str, Any]:
     return loaded
 
 
-def load_apis() -> dict[str, Callable[[], ApiAdapter]]:
+def load_apis() -> dict[str, Callable[..., ApiAdapter]]:
     """API adapter classes from the ``kvgate.apis`` group, checked against their ``name``."""
     apis = _load_group(API_GROUP)
     for name, cls in apis.items():
@@ -56,7 +58,7 @@ class Registry:
     #: KV-transfer connector classes by name (see middleware.connector).
     connectors: Mapping[str, type] = field(default_factory=dict)
     #: Client-facing API adapters by name; by default the ``kvgate.apis`` entry points.
-    apis: Mapping[str, Callable[[], ApiAdapter]] = field(default_factory=load_apis)
+    apis: Mapping[str, Callable[..., ApiAdapter]] = field(default_factory=load_apis)
 
     @classmethod
     def from_entry_points(cls) -> Registry:
@@ -77,11 +79,21 @@ class Registry:
     def plugin_class(self, type_name: str) -> type[Plugin] | None:
         return self.plugins.get(type_name)
 
-    def api_adapters(self) -> list[ApiAdapter]:
-        """One instance of each API adapter (adapters are pure: one serves every request)."""
+    def api_adapters(self, options: Mapping[str, Mapping[str, Any]] | None = None,
+                     source: str = "<config>") -> list[ApiAdapter]:
+        """One instance of each API adapter (adapters are pure: one serves every request),
+        built with its ``options`` (the config's ``apis`` section): validated against the
+        adapter class's optional ``Params`` pydantic model and passed as keyword arguments.
+        An unknown adapter name, an adapter without ``Params`` or an invalid option is a
+        ConfigError naming ``apis.<name>``."""
+        options = options or {}
+        unknown = sorted(set(options) - set(self.apis))
+        if unknown:
+            raise ConfigError(f"{source}: apis: unknown API adapter(s) {', '.join(unknown)} "
+                              f"(known: {', '.join(sorted(self.apis))})")
         out = []
         for name, factory in sorted(self.apis.items()):
-            adapter = factory()
+            adapter = factory(**_adapter_options(name, factory, options.get(name), source))
             if not isinstance(adapter, ApiAdapter):
                 raise ConfigError(f"API {name!r} does not implement middleware.api.ApiAdapter")
             out.append(adapter)
@@ -90,6 +102,24 @@ class Registry:
     def adapter(self, kind: str) -> EngineAdapter | None:
         factory = self.engines.get(kind)
         return factory() if factory is not None else None
+
+
+def _adapter_options(name: str, factory: Callable[..., ApiAdapter],
+                     given: Mapping[str, Any] | None, source: str) -> dict[str, Any]:
+    """Keyword arguments for adapter ``name`` from its config options (none: defaults)."""
+    if given is None:
+        return {}
+    params = getattr(factory, "Params", None)
+    if not (isinstance(params, type) and issubclass(params, BaseModel)):
+        raise ConfigError(f"{source}: apis.{name}: the {name!r} API adapter takes no options")
+    try:
+        validated = params.model_validate(given)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '<options>'}: {err['msg']}"
+            for err in exc.errors())
+        raise ConfigError(f"{source}: apis.{name}: {problems}") from None
+    return {field: getattr(validated, field) for field in type(validated).model_fields}
 
 
 def command_registrars() -> dict[str, Callable[[Any], None]]:
