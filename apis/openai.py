@@ -145,16 +145,13 @@ class OpenAIErrors:
         return rewrite_usage(payload, cached)
 
 
-class OpenAITap:
-    """Usage of an OpenAI answer or stream; drops the usage the client did not ask for."""
+class UsageOnlyTap:
+    """A whole JSON answer's OpenAI usage (``prompt_tokens`` only for pooling answers)."""
 
-    __slots__ = ("_wants", "final", "state_ids", "usage")
-    markers: ClassVar[tuple[bytes, ...]] = USAGE_MARKERS
-    #: The stream ends with ``data: [DONE]`` (a stream without it broke).
-    sse_done: ClassVar[bool] = True
+    __slots__ = ("final", "state_ids", "usage")
+    markers: ClassVar[tuple[bytes, ...]] = (b'"usage"',)
 
-    def __init__(self, client_wants_usage: bool) -> None:
-        self._wants = client_wants_usage
+    def __init__(self) -> None:
         self.usage: Usage | None = None
         self.final = False
         self.state_ids: list[str] = []
@@ -162,6 +159,22 @@ class OpenAITap:
     def on_json(self, payload: dict[str, Any]) -> None:
         self.usage = openai_usage(payload)
         self.final = True
+
+    def on_event(self, event: SseEvent) -> bool:
+        return True
+
+
+class OpenAITap(UsageOnlyTap):
+    """Usage of an OpenAI answer or stream; drops the usage the client did not ask for."""
+
+    __slots__ = ("_wants",)
+    markers: ClassVar[tuple[bytes, ...]] = USAGE_MARKERS
+    #: The stream ends with ``data: [DONE]`` (a stream without it broke).
+    sse_done: ClassVar[bool] = True
+
+    def __init__(self, client_wants_usage: bool) -> None:
+        super().__init__()
+        self._wants = client_wants_usage
 
     def on_event(self, event: SseEvent) -> bool:
         data = event.data

@@ -12,29 +12,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from apis.openai import OpenAIErrors, check_model, openai_usage, text_estimate, text_prompt
-from middleware.api import ParsedRequest, SseEvent
+from apis.openai import (
+    OpenAIErrors,
+    UsageOnlyTap,
+    check_model,
+    text_estimate,
+    text_prompt,
+)
+from middleware.api import ParsedRequest
 from middleware.errors import BadRequest
-from middleware.types import Usage
-
-
-class UsageOnlyTap:
-    """A whole JSON answer's OpenAI usage (``prompt_tokens`` only for pooling answers)."""
-
-    __slots__ = ("final", "state_ids", "usage")
-    markers: ClassVar[tuple[bytes, ...]] = (b'"usage"',)
-
-    def __init__(self) -> None:
-        self.usage: Usage | None = None
-        self.final = False
-        self.state_ids: list[str] = []
-
-    def on_json(self, payload: dict[str, Any]) -> None:
-        self.usage = openai_usage(payload)
-        self.final = True
-
-    def on_event(self, event: SseEvent) -> bool:
-        return True
 
 
 class NoUsageTap(UsageOnlyTap):
