@@ -29,6 +29,7 @@ from middleware.asgi import (
 )
 from middleware.config import GatewayConfig
 from middleware.errors import (
+    ConfigError,
     HTTPError,
     MethodNotAllowed,
     NotFound,
@@ -36,9 +37,10 @@ from middleware.errors import (
     model_not_found,
 )
 from middleware.gateway import ApiRoutes, Gateway
+from middleware.loopback import Loopback
 from middleware.metrics import GatewayMetrics
 from middleware.pipeline import build_pipeline
-from middleware.plugin import HealthSource, HttpRequest, MetricsSource, authenticate
+from middleware.plugin import AsgiApp, HealthSource, HttpRequest, MetricsSource, authenticate
 from middleware.pool import EndpointPool
 from middleware.registry import Registry
 from middleware.states import StateMap, StateMapCollector
@@ -67,11 +69,16 @@ class KvgateApp:
         plugin_paths = {path for _, path in self.pipeline.routes}
         adapters = registry.api_adapters(config.apis, config.source)
         self.apis = ApiRoutes(adapters, _CORE_PATHS | plugin_paths)
+        self.mounts = check_mounts(config.source, self.pipeline.mounts,
+                                   _CORE_PATHS | plugin_paths | self.apis.paths())
         states = StateMap()
         self.metrics.registry.register(StateMapCollector(states))
         self.gateway = Gateway(config, self.pipeline, self.pool, self.metrics, states)
         self.started_at = int(time.time())
         self._session: aiohttp.ClientSession | None = None
+        self.loopback = Loopback(self, self.pipeline.authenticator)
+        for user in self.pipeline.loopback_users:
+            user.bind_loopback(self.loopback)
 
     # -- lifespan ------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -136,6 +143,10 @@ class KvgateApp:
         if found is not None:
             await self.gateway.handle(scope, receive, send, *found)
             return
+        for prefix, mounted in self.mounts:
+            if path == prefix or path.startswith(prefix + "/"):
+                await mounted(scope, receive, send)
+                return
         try:
             if self.apis.allows_path(path):
                 raise MethodNotAllowed(f"{method} is not allowed on {path}")
@@ -224,6 +235,28 @@ class KvgateApp:
             if card["id"] == model_id:
                 return card
         raise model_not_found(model_id, self.pool.models())
+
+
+def _covers(prefix: str, path: str) -> bool:
+    """Whether requests for ``path`` (or its by-id subtree) could fall under ``prefix``."""
+    return (path == prefix or path.startswith(prefix + "/")
+            or prefix.startswith(path.rstrip("/") + "/"))
+
+
+def check_mounts(source: str, mounts: tuple[tuple[str, AsgiApp], ...],
+                 taken: frozenset[str]) -> tuple[tuple[str, AsgiApp], ...]:
+    """The ASGI mounts, refused (ConfigError) when a prefix is malformed or overlaps a core,
+    API or plugin path (``/v1/models`` covers its by-id subtree) or another mount."""
+    seen: list[str] = []
+    for prefix, _ in mounts:
+        if not prefix.startswith("/") or prefix.endswith("/") or "{" in prefix:
+            raise ConfigError(f"{source}: mount prefix {prefix!r} must start with '/' and "
+                              "not end with one")
+        clash = sorted(p for p in (*taken, *seen) if _covers(prefix, p) or _covers(p, prefix))
+        if clash:
+            raise ConfigError(f"{source}: mount {prefix!r} overlaps {', '.join(clash)}")
+        seen.append(prefix)
+    return mounts
 
 
 def _require(method: str, expected: str) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from middleware.api import ApiAdapter, ParsedRequest, UsageTap
 from middleware.asgi import Headers, Receive, Send
+from middleware.loopback import LoopbackContext
 from middleware.types import RESPONSE_HEADERS, CycleState, Endpoint, InferenceRequest, Usage
 
 
@@ -54,6 +55,8 @@ class RequestContext:
     state: CycleState = field(default_factory=CycleState)
     #: The status the client got (499: it left first).
     status: int = 500
+    #: Set when the request came through the in-process loopback (a deferred job's run).
+    loopback: LoopbackContext | None = None
 
     @property
     def started(self) -> bool:

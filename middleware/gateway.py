@@ -34,6 +34,7 @@ from middleware.errors import (
     UpstreamHTTPError,
     internal_error,
 )
+from middleware.loopback import loopback_context
 from middleware.metrics import GatewayMetrics
 from middleware.pipeline import Pipeline
 from middleware.plan import MODEL_PLAN, PlanRunner
@@ -41,7 +42,7 @@ from middleware.plugin import authenticate
 from middleware.pool import EndpointPool
 from middleware.requests import build_request, client_request_id, load_body, new_request_id
 from middleware.states import StateMap
-from middleware.types import Endpoint
+from middleware.types import Endpoint, Principal
 from middleware.upstream import open_request
 
 log = logging.getLogger("kvgate.gateway")
@@ -119,11 +120,14 @@ class Gateway:
 
     async def handle(self, scope: Scope, receive: Receive, send: Send,
                      adapter: ApiAdapter, state_id: str | None = None) -> None:
-        """One request to ``adapter``'s route (``state_id``: a by-id route's id)."""
+        """One request to ``adapter``'s route (``state_id``: a by-id route's id). A loopback
+        call (middleware/loopback.py) brings its principal, request id and tier."""
+        loop = loopback_context(scope)
         ctx = RequestContext(
             adapter=adapter, send=TrackedSend(send), receive=receive,
             headers=header_map(scope), path=scope["path"], query=scope.get("query_string", b""),
-            request_id=new_request_id(), response_headers=[])
+            request_id=(loop.request_id if loop and loop.request_id else new_request_id()),
+            response_headers=[], loopback=loop)
         try:
             client_rid = client_request_id(ctx.headers)
             ctx.response_headers.append((b"x-request-id", (client_rid or ctx.request_id).encode()))
@@ -167,9 +171,15 @@ class Gateway:
             return req.model
         return "other"
 
-    async def _serve(self, ctx: RequestContext, client_rid: str | None) -> int:
+    def _principal(self, ctx: RequestContext) -> Principal | None:
+        """The loopback call's principal, else the authenticator's verdict (401)."""
+        if ctx.loopback is not None:
+            return ctx.loopback.principal
         auth = self.pipeline.authenticator
-        principal = None if auth is None else authenticate(auth, ctx.headers)
+        return None if auth is None else authenticate(auth, ctx.headers)
+
+    async def _serve(self, ctx: RequestContext, client_rid: str | None) -> int:
+        principal = self._principal(ctx)
         body = await read_body(ctx.receive, ctx.headers, self.config.server.max_body_bytes)
         data = load_body(body)
         ctx.parsed = ctx.adapter.parse(data, ctx.headers)
@@ -178,18 +188,36 @@ class Gateway:
         if principal is not None:
             req.principal = principal
             req.tenant, req.key_id = principal.tenant, principal.key_id
+        if ctx.loopback is not None:
+            req.service_tier = ctx.loopback.tier
         for hook in self.pipeline.request_hooks:
             await hook.on_request(req, ctx.state)
+        for deferral in self.pipeline.deferrals:
+            deferred = await deferral.defer(req, ctx.adapter.name)
+            if deferred is not None:
+                headers = [(b"content-type", deferred.content_type.encode()),
+                           *ctx.response_headers,
+                           *((k.encode(), v.encode()) for k, v in deferred.headers.items())]
+                await send_bytes(ctx.send, deferred.status, deferred.body, headers)
+                return deferred.status
         plan = ctx.state.get(MODEL_PLAN)  # set by a model catalog: pools, providers, fallbacks
         if plan is not None:
             return await self.plans.run(plan, ctx)
         return await self.dispatcher.serve_pool(ctx, self.pool.snapshot())
 
     async def _by_id(self, ctx: RequestContext, method: str, state_id: str) -> int:
-        """A by-id route: forwarded as is to the engine that holds ``state_id``."""
-        auth = self.pipeline.authenticator
-        principal = None if auth is None else authenticate(auth, ctx.headers)
+        """A by-id route: answered by a StateResolver (an id it owns, e.g. a queued background
+        response), else forwarded as is to the engine that holds ``state_id``."""
+        principal = self._principal(ctx)
         body = await read_body(ctx.receive, ctx.headers, self.config.server.max_body_bytes)
+        for resolver in self.pipeline.resolvers:
+            answer = await resolver.resolve(ctx.adapter.name, method, state_id, principal)
+            if answer is not None:
+                headers = [(b"content-type", answer.content_type.encode()),
+                           *ctx.response_headers,
+                           *((k.encode(), v.encode()) for k, v in answer.headers.items())]
+                await send_bytes(ctx.send, answer.status, answer.body, headers)
+                return answer.status
         holder = self.states.holder(state_id, None if principal is None else principal.tenant)
         if holder is None:
             self.states.count("miss")

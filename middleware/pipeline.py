@@ -17,6 +17,8 @@ from middleware.connector import Connector
 from middleware.engine import EngineAdapter
 from middleware.errors import ConfigError
 from middleware.plugin import (
+    AsgiApp,
+    AsgiMount,
     Authenticator,
     CompletionHook,
     DataProducer,
@@ -25,14 +27,17 @@ from middleware.plugin import (
     Filter,
     Lifecycle,
     ModelCatalog,
+    NeedsLoopback,
     Picker,
     Plugin,
     PrefillHook,
     ProfileHandler,
+    RequestDeferral,
     RequestHook,
     Route,
     RouteProvider,
     Scorer,
+    StateResolver,
     UsageHook,
     slots_of,
 )
@@ -65,6 +70,14 @@ class Pipeline:
     backends: Mapping[str, Backend] = field(default_factory=dict)
     #: The model catalog plugin (serves /v1/models), if one is configured.
     catalog: ModelCatalog | None = None
+    #: Consulted before dispatch (queued requests, background responses).
+    deferrals: tuple[RequestDeferral, ...] = ()
+    #: Consulted before the StateMap on by-id routes.
+    resolvers: tuple[StateResolver, ...] = ()
+    #: (path prefix, ASGI app) from AsgiMount plugins (overlaps checked by the app).
+    mounts: tuple[tuple[str, AsgiApp], ...] = ()
+    #: Plugins the app hands its loopback to.
+    loopback_users: tuple[NeedsLoopback, ...] = ()
 
 
 class _Lookup:
@@ -331,4 +344,8 @@ def build_pipeline(config: GatewayConfig, registry: Registry) -> Pipeline:
         connector=_connector(config, registry),
         backends=backends,
         catalog=catalog,
+        deferrals=tuple(p for p in values if isinstance(p, RequestDeferral)),
+        resolvers=tuple(p for p in values if isinstance(p, StateResolver)),
+        mounts=tuple(m for p in values if isinstance(p, AsgiMount) for m in p.mounts()),
+        loopback_users=tuple(p for p in values if isinstance(p, NeedsLoopback)),
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict
@@ -26,6 +26,10 @@ from middleware.types import (
     ScoredEndpoint,
     Usage,
 )
+
+if TYPE_CHECKING:
+    from middleware.asgi import Receive, Scope, Send
+    from middleware.loopback import Loopback
 
 
 class NoParams(BaseModel):
@@ -119,6 +123,15 @@ class Authenticator(Protocol):
 
     def authenticate(self, authorization: str | None, api_key: str | None = None) -> Principal:
         ...
+
+
+@runtime_checkable
+class PrincipalLookup(Protocol):
+    """Optional for an Authenticator: the principal of a key id as it stands now (deferred
+    jobs store the key id, never a secret, and run as that key's current principal; None: the
+    key is gone, the job fails with 401)."""
+
+    def principal_for(self, key_id: str) -> Principal | None: ...
 
 
 #: Request headers carrying the client's credentials: never in ``InferenceRequest.headers``,
@@ -283,6 +296,60 @@ class ModelCatalog(Protocol):
         ...
 
 
+class AsgiApp(Protocol):
+    """An ASGI application (e.g. a FastAPI sub-application)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None: ...
+
+
+@runtime_checkable
+class AsgiMount(Protocol):
+    """Plugins serving a whole sub-application: each ``(prefix, app)`` gets every request whose
+    path is ``prefix`` or starts with ``prefix + "/"`` (the scope unchanged: the app sees the
+    full path). Checked after the API routes (their hot path is unchanged); a prefix covering
+    a core, API or plugin route, or another mount's, is refused at startup."""
+
+    def mounts(self) -> Sequence[tuple[str, AsgiApp]]: ...
+
+
+@runtime_checkable
+class NeedsLoopback(Protocol):
+    """Plugins that run API requests through the gateway's own request path later (deferred
+    jobs): the app hands them its :class:`middleware.loopback.Loopback` before startup."""
+
+    def bind_loopback(self, loopback: Loopback) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    """The answer sent instead of dispatching a request that a :class:`RequestDeferral` took
+    over (e.g. 202 with a queued request's id)."""
+
+    status: int
+    body: bytes
+    headers: Mapping[str, str] = field(default_factory=dict)
+    content_type: str = "application/json"
+
+
+@runtime_checkable
+class RequestDeferral(Protocol):
+    """Consulted after the request hooks (auth context, catalog, allow-lists have run), before
+    dispatch: a :class:`Deferred` is sent as the answer and nothing is dispatched; None lets the
+    request go on. May raise HTTPError (a bad queue header is a 400)."""
+
+    async def defer(self, req: InferenceRequest, adapter_name: str) -> Deferred | None: ...
+
+
+@runtime_checkable
+class StateResolver(Protocol):
+    """Answers by-id routes (``GET /v1/responses/{id}``) for ids the engines do not hold yet
+    (a background response still queued): consulted after authentication, before the StateMap
+    lookup. None: not one of its ids (the StateMap decides)."""
+
+    async def resolve(self, adapter_name: str, method: str, state_id: str,
+                      principal: Principal | None) -> HttpResponse | None: ...
+
+
 SLOTS: Mapping[str, type] = {
     "filter": Filter,
     "scorer": Scorer,
@@ -301,6 +368,10 @@ SLOTS: Mapping[str, type] = {
     "health-source": HealthSource,
     "route-provider": RouteProvider,
     "model-catalog": ModelCatalog,
+    "asgi-mount": AsgiMount,
+    "needs-loopback": NeedsLoopback,
+    "request-deferral": RequestDeferral,
+    "state-resolver": StateResolver,
 }
 
 

@@ -133,6 +133,9 @@ class InferenceRequest:
     prompt: Prompt | None = None
     #: False for requests that are not billed (tokenize, detokenize): no ledger record.
     billed: bool = True
+    #: The pricing tier of a deferred run (``batch``, ``queued``, ``background``: the job's
+    #: kind, set through middleware/loopback.py); None for live traffic.
+    service_tier: str | None = None
 
     @property
     def api_name(self) -> str:

@@ -35,7 +35,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from middleware.errors import ConfigError, Forbidden, Unauthorized
-from middleware.plugin import Authenticator, Plugin, PluginLookup, RequestHook
+from middleware.plugin import Authenticator, Plugin, PluginLookup, PrincipalLookup, RequestHook
 from middleware.types import CycleState, InferenceRequest, StateKey
 
 log = logging.getLogger("kvgate.plugins.auth")
@@ -130,7 +130,7 @@ def credential(authorization: str | None, api_key: str | None) -> str | None:
     return key
 
 
-class ApiKeys(Plugin, Authenticator, RequestHook):
+class ApiKeys(Plugin, Authenticator, PrincipalLookup, RequestHook):
     """``api-keys``: authenticates every inference request (401), checks the key's model
     allow-list (403), and sets ``req.tenant`` / ``req.key_id`` and the ``api-key`` state.
 
@@ -170,6 +170,7 @@ class ApiKeys(Plugin, Authenticator, RequestHook):
                 raise ConfigError(f"catalog {params.catalog!r} is not a model catalog plugin")
             self.catalog = found
             self._keys = _canonical_keys(params.file or "-", self._keys, found)
+        self._by_id = {k.key_id: k for k in self._keys.values()}
         if self.disabled:
             log.warning("authentication is DISABLED: every request is accepted as tenant 'local'")
         else:
@@ -189,6 +190,12 @@ class ApiKeys(Plugin, Authenticator, RequestHook):
         if key is None:
             raise Unauthorized("invalid API key")
         return key
+
+    def principal_for(self, key_id: str) -> ApiKey | None:
+        """The key with id ``key_id`` as loaded now (deferred jobs run as it); None if gone."""
+        if self.disabled:
+            return LOCAL
+        return self._by_id.get(key_id)
 
     async def on_request(self, req: InferenceRequest, state: CycleState) -> None:
         """Model allow-list (403); the key itself was checked before the body was read."""
