@@ -210,19 +210,27 @@ class BatchManager:
                   (obj.model_dump_json(), obj.status, lease_until, obj.id))
 
     async def _claim(self, batch_id: str, statuses: Sequence[str], now: float,
-                     lapsed_only: Sequence[str] = ()) -> BatchRow | None:
-        """Take the batch's lease if it is in ``statuses`` (for ``lapsed_only`` statuses: only
-        when the holder's lease has lapsed). None: someone else has it / wrong status."""
+                     finalizing: bool = False) -> BatchRow | None:
+        """Take the batch's lease if it is in ``statuses`` and nobody holds a live lease on it
+        (``finalizing``: and move it to ``finalizing`` in the same transaction). None: someone
+        else has it, or it is in another status."""
         def claim(c: sqlite3.Connection) -> BatchRow | None:
             r = c.execute("SELECT tenant, key_id, doc, status, lease_until FROM batches "
                           "WHERE id = ?", (batch_id,)).fetchone()
-            if r is None or r[3] not in statuses:
+            if r is None or r[3] not in statuses or float(r[4]) > now:
                 return None
-            if r[3] in lapsed_only and float(r[4]) > now:
-                return None
-            c.execute("UPDATE batches SET lease_until = ? WHERE id = ?",
-                      (now + self.lease_s, batch_id))
-            return _row(r)
+            row = _row(r)
+            if finalizing:
+                if row.obj.in_progress_at is None:
+                    return None
+                obj = row.obj.model_copy(update={
+                    "status": "finalizing", "finalizing_at": row.obj.finalizing_at or int(now)})
+                row = BatchRow(row.tenant, row.key_id, obj)
+                self._save(c, obj, now + self.lease_s)
+            else:
+                c.execute("UPDATE batches SET lease_until = ? WHERE id = ?",
+                          (now + self.lease_s, batch_id))
+            return row
         return await self.db.run(claim)
 
     # -- API -------------------------------------------------------------------------------
@@ -387,12 +395,10 @@ class BatchManager:
             return None
         now = time.time()
         row = await self._claim(batch_id, ("in_progress", "cancelling", "finalizing"), now,
-                                lapsed_only=("finalizing",))
-        if row is None or row.obj.in_progress_at is None:
+                                finalizing=True)
+        if row is None:
             return None
-        obj = row.obj.model_copy(update={
-            "status": "finalizing", "finalizing_at": row.obj.finalizing_at or int(now)})
-        await self.db.run(lambda c: self._save(c, obj, now + self.lease_s))
+        obj = row.obj
         return await self._finalize(row.tenant, obj)
 
     async def _finalize(self, tenant: str, obj: BatchObject) -> BatchObject:
@@ -446,16 +452,16 @@ class BatchManager:
         """Resume lapsed validations; check every unfinished batch once."""
         now = time.time()
         rows = await self.db.run(lambda c: c.execute(
-            "SELECT id, status, lease_until FROM batches WHERE status IN (?,?,?,?)",
+            "SELECT tenant, key_id, doc FROM batches WHERE status IN (?,?,?,?)",
             ACTIVE).fetchall())
-        for batch_id, status, lease_until in rows:
-            if status == "validating" or (status == "cancelling" and float(lease_until) > 0):
-                row = await self._claim(batch_id, ("validating", "cancelling"), now,
-                                        lapsed_only=("validating", "cancelling"))
-                if row is not None and row.obj.in_progress_at is None:
+        for r in rows:
+            obj = _row(r).obj
+            if obj.in_progress_at is None:  # validating (or cancelled while validating)
+                row = await self._claim(obj.id, ("validating", "cancelling"), now)
+                if row is not None:
                     await self._validate(row)
-                    continue
-            await self.try_finalize(batch_id)
+            else:
+                await self.try_finalize(obj.id)
 
     async def _check(self, batch_ids: Iterable[str]) -> None:
         for batch_id in batch_ids:
