@@ -133,8 +133,9 @@ class JobStore(Protocol):
         first terminal write wins)."""
         ...
 
-    async def release(self, job_id: str, consumer: str) -> bool:
-        """A RUNNING job held by ``consumer`` back to QUEUED (retry later, shutdown)."""
+    async def release(self, job_id: str, consumer: str, delay_s: float = 0.0) -> bool:
+        """A RUNNING job held by ``consumer`` back to QUEUED, claimable again after
+        ``delay_s`` (retry backoff; 0 at shutdown)."""
         ...
 
     async def cancel(self, job_id: str, now: float) -> Job | None:

@@ -76,7 +76,7 @@ class KvgateApp:
         self.gateway = Gateway(config, self.pipeline, self.pool, self.metrics, states)
         self.started_at = int(time.time())
         self._session: aiohttp.ClientSession | None = None
-        self.loopback = Loopback(self, self.pipeline.authenticator)
+        self.loopback = Loopback(self, self.pipeline.authenticator, self.pool.snapshot)
         for user in self.pipeline.loopback_users:
             user.bind_loopback(self.loopback)
 

@@ -193,7 +193,7 @@ class Gateway:
         for hook in self.pipeline.request_hooks:
             await hook.on_request(req, ctx.state)
         for deferral in self.pipeline.deferrals:
-            deferred = await deferral.defer(req, ctx.adapter.name)
+            deferred = await deferral.defer(req, ctx.adapter.name, ctx.path)
             if deferred is not None:
                 headers = [(b"content-type", deferred.content_type.encode()),
                            *ctx.response_headers,

@@ -18,13 +18,13 @@ header named like it does nothing. The answer is collected whole, up to ``max_by
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from middleware.asgi import Message, Scope
 from middleware.errors import UpstreamError
 from middleware.plugin import AsgiApp, Authenticator, PrincipalLookup
-from middleware.types import Principal
+from middleware.types import Endpoint, Principal
 
 #: The scope key of a loopback call's context.
 SCOPE_KEY = "kvgate"
@@ -63,10 +63,17 @@ class Loopback:
     to one request, yet bounding what one job makes the gateway hold."""
 
     def __init__(self, app: AsgiApp, authenticator: Authenticator | None,
+                 endpoints: Callable[[], Sequence[Endpoint]] = tuple,
                  max_bytes: int = 64 * 1024 * 1024) -> None:
         self._app = app
         self._auth = authenticator
+        self._endpoints = endpoints
         self.max_bytes = max_bytes
+
+    def endpoints(self) -> Sequence[Endpoint]:
+        """The engine pool's current snapshot (health, in-flight load, scraped metrics): what a
+        deferred-work runner reads to start jobs only while the fleet has headroom."""
+        return self._endpoints()
 
     def authenticate(self, headers: Mapping[str, str]) -> Principal | None:
         """The gateway's authenticator on lower-cased ``headers`` (raises Unauthorized); None

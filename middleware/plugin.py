@@ -335,9 +335,11 @@ class Deferred:
 class RequestDeferral(Protocol):
     """Consulted after the request hooks (auth context, catalog, allow-lists have run), before
     dispatch: a :class:`Deferred` is sent as the answer and nothing is dispatched; None lets the
-    request go on. May raise HTTPError (a bad queue header is a 400)."""
+    request go on. ``path`` is the route's path (``/v1/chat/completions``). May raise
+    HTTPError (a bad queue header is a 400)."""
 
-    async def defer(self, req: InferenceRequest, adapter_name: str) -> Deferred | None: ...
+    async def defer(self, req: InferenceRequest, adapter_name: str,
+                    path: str) -> Deferred | None: ...
 
 
 @runtime_checkable

@@ -153,7 +153,7 @@ class AgentApi:
             await self._faults()
             rr = parse_responses(await read_body(request), self.config, self.store)
             run = await self._submit(rr.req, request_id)
-            shaper = ResponsesShaper(rr, new_response_id(), int(time.time()),
+            shaper = ResponsesShaper(rr, new_response_id(rr.body), int(time.time()),
                                      self.config.block_size)
             if rr.background:
                 return JSONResponse(self._start_background(rr, run, shaper), headers=headers)

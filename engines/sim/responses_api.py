@@ -44,7 +44,7 @@ _FIELDS = (
     Field("previous_response_id", "str"), Field("background", "bool"), Field("tools", "list"),
     Field("tool_choice", "str|dict"), Field("temperature", "number"), Field("top_p", "number"),
     Field("metadata", "dict"), Field("user", "str"), Field("cache_salt", "str"),
-    Field("kv_transfer_params", "dict"),
+    Field("kv_transfer_params", "dict"), Field("request_id", "str"),
 )
 #: vLLM 0.32 tokenizes a rendered Responses conversation with special tokens on, so a template
 #: that writes ``<|begin_of_text|>`` itself gets it twice (observed: ``[0, 0, 2, ...]`` from
@@ -217,8 +217,11 @@ def echo_tool(tool: Any) -> Any:
             "output_schema": None}
 
 
-def new_response_id() -> str:
-    return "resp_" + secrets.token_hex(8)
+def new_response_id(body: Mapping[str, Any] | None = None) -> str:
+    """The caller's ``request_id`` (a vLLM extra parameter: the response's id), else a new
+    one."""
+    given = None if body is None else body.get("request_id")
+    return given if isinstance(given, str) and given else "resp_" + secrets.token_hex(8)
 
 
 @dataclass(slots=True)

@@ -67,10 +67,12 @@ class Probe(Plugin, AsgiMount, NeedsLoopback, RequestDeferral, StateResolver, Us
     def bind_loopback(self, loopback: Loopback) -> None:
         self.loopback = loopback
 
-    async def defer(self, req: InferenceRequest, adapter_name: str) -> Deferred | None:
+    async def defer(self, req: InferenceRequest, adapter_name: str,
+                    path: str) -> Deferred | None:
         if req.headers.get("x-defer") != "yes" or req.service_tier is not None:
             return None
-        return Deferred(202, json.dumps({"deferred": adapter_name}).encode(), {"x-why": "probe"})
+        return Deferred(202, json.dumps({"deferred": adapter_name, "path": path}).encode(),
+                        {"x-why": "probe"})
 
     async def resolve(self, adapter_name: str, method: str, state_id: str,
                       principal: Principal | None) -> HttpResponse | None:
@@ -165,7 +167,7 @@ async def test_deferral_answers_instead_of_dispatching(probe_gw: Any) -> None:
     app, probe, client = probe_gw
     resp = await client.post("/v1/chat/completions", json=CHAT, headers={"x-defer": "yes"})
     assert resp.status_code == 202
-    assert resp.json() == {"deferred": "chat"}
+    assert resp.json() == {"deferred": "chat", "path": "/v1/chat/completions"}
     assert resp.headers["x-why"] == "probe"
     assert probe.seen == []
     assert [ep.in_flight_requests for ep in app.pool.snapshot()] == [0]
