@@ -39,6 +39,7 @@ from asyncq.api import QueueService
 from asyncq.batches import BatchCreate, BatchList, BatchManager, BatchObject
 from asyncq.files import FileDeleted, FileList, FileObject, FileStore
 from asyncq.mgmt_db import Db
+from asyncq.queued import queued_router
 from asyncq.webhooks import Webhooks, WebhookSettings
 from middleware.errors import (
     BadRequest,
@@ -358,7 +359,7 @@ def build_management_app(service: QueueService, settings: ManagementSettings) ->
     _install_errors(app)
     app.include_router(files_router(plane))
     app.include_router(batches_router(plane))
-    # TODO(helper A): include asyncq.queued.queued_router(service) once asyncq/queued.py lands.
+    app.include_router(queued_router(service), responses=_ERRORS)
     app.add_middleware(_Guard, service=service,
                        max_body=settings.max_file_bytes + MULTIPART_SLACK)
     return app
