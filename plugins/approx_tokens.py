@@ -76,11 +76,15 @@ def render_chat(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bo
     )
 
 
-def tokenize(text: str) -> list[int]:
-    """UTF-8 bytes packed four per pseudo-token (little-endian; the last one zero-padded)."""
+def tokenize(text: str) -> array[int]:
+    """UTF-8 bytes packed four per pseudo-token (little-endian; the last one zero-padded).
+
+    An ``array('I')``, not a list: an agent prompt is ~50k pseudo-tokens, and the prefix
+    producer hashes them straight from this buffer (a list would cost ~1 ms to build and
+    another to convert back)."""
     data = text.encode("utf-8", "surrogatepass")
     pad = -len(data) % 4
     packed = array("I", data + b"\x00" * pad)
     if sys.byteorder == "big":
         packed.byteswap()
-    return packed.tolist()
+    return packed

@@ -24,6 +24,8 @@ rare: once a parent is linked, later events extending it are not orphans.
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -39,10 +41,18 @@ class PackingError(ValueError):
 
 def pack_tokens(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian uint32 (the layout the own hash consumes)."""
+    if isinstance(token_ids, array) and token_ids.itemsize == 4 and token_ids.typecode in "IL":
+        return token_ids.tobytes() if sys.byteorder == "little" else _swapped(token_ids)
     try:
         return struct.pack(f"<{len(token_ids)}I", *token_ids)
     except struct.error as exc:
         raise PackingError(f"token ids must be in [0, 2**32): {exc}") from None
+
+
+def _swapped(token_ids: array[int]) -> bytes:
+    out = array(token_ids.typecode, token_ids)
+    out.byteswap()
+    return out.tobytes()
 
 
 @dataclass(frozen=True, slots=True)

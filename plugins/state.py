@@ -6,14 +6,15 @@ A plugin that can work without a key reads it with ``state.get`` and does not de
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from middleware.types import EndpointId, StateKey
 
 #: The request's prompt as the engine will tokenize it (chat template applied), or the client's
 #: token-id prompt as given. Produced by the tokenization producer.
-TOKEN_IDS: StateKey[tuple[int, ...]] = StateKey("token-ids")
+#: The prompt's token ids: a tuple, or an ``array("I")`` from a pseudo-tokenizer (read-only).
+TOKEN_IDS: StateKey[Sequence[int]] = StateKey("token-ids")
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,7 +62,7 @@ class TokenizerBackend(Protocol):
     #: Strings the tokenizer always cuts text at (text on each side is tokenized alone).
     boundaries: tuple[str, ...]
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool) -> Sequence[int]: ...
 
     def render_chat(
         self, messages: Messages, add_generation_prompt: bool, extra: Mapping[str, Any]
@@ -81,9 +81,10 @@ class ModuleBackend:
         #: Why these ids are not the engine's (a pseudo-tokenizer), or None.
         self.inexact: str | None = str(pseudo) if pseudo else None
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool) -> Sequence[int]:
         try:
-            return list(self._obj.tokenize(text))
+            ids = self._obj.tokenize(text)
+            return ids if isinstance(ids, array) else list(ids)
         except (ValueError, TypeError) as exc:
             raise TokenizationError(str(exc)) from None
 
@@ -278,7 +279,7 @@ class ChatTokenizer:
         self._pattern = re.compile("|".join(map(re.escape, marks))) if marks else None
         self._gen_suffix = generation_suffix(self.backend) if self.cache is not None else ""
 
-    def tokenize(self, messages: Messages, gen: bool, extra: Mapping[str, Any]) -> list[int]:
+    def tokenize(self, messages: Messages, gen: bool, extra: Mapping[str, Any]) -> Sequence[int]:
         text = self.backend.render_chat(messages, gen, extra)
         if self.cache is None or self._pattern is None:
             return self.backend.encode(text, False)
@@ -454,14 +455,14 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
             self.stats.tokenized += 1
         if ids is None:
             return
-        state.put(TOKEN_IDS, tuple(ids))
+        state.put(TOKEN_IDS, ids if isinstance(ids, tuple | array) else tuple(ids))
         req.prompt_token_estimate = len(ids)
         chat = self.chat_tokenizer(req.model)
         inexact = getattr(chat.backend, "inexact", None) if chat is not None else None
         if inexact and not passthrough:  # a client's token ids are the engine's own
             state.put(TOKEN_IDS_INEXACT, str(inexact))
 
-    def _work(self, req: InferenceRequest) -> Callable[[], list[int]] | None:
+    def _work(self, req: InferenceRequest) -> Callable[[], Sequence[int]] | None:
         """How to tokenize the request's prompt (any API: the adapter's view of it)."""
         prompt = req.prompt
         if prompt is None or isinstance(prompt, TokenPrompt):
@@ -480,7 +481,7 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
         gen = prompt.add_generation_prompt
         return lambda: chat.tokenize(messages, gen, extra)
 
-    async def _run(self, work: Callable[[], list[int]], size: int) -> list[int]:
+    async def _run(self, work: Callable[[], Sequence[int]], size: int) -> Sequence[int]:
         if self._pool is None or size < self.p.offload_min_chars:
             return work()
         self.stats.offloaded += 1
@@ -495,7 +496,7 @@ def _template_extra(prompt: ChatPrompt) -> dict[str, Any]:
 
 def _tokenize_plain(
     backend: TokenizerBackend, messages: Messages, extra: Mapping[str, Any], prompt: ChatPrompt,
-) -> list[int]:
+) -> Sequence[int]:
     """Uncached path: special tokens added by the tokenizer, or the final message continued."""
     gen = prompt.add_generation_prompt and not prompt.continue_final_message
     text = backend.render_chat(messages, gen, extra)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+from array import array
+
 import pytest
 
 from plugins.kv_index import (
@@ -46,8 +49,8 @@ def test_chain_hash_is_pinned_and_prefix_stable() -> None:
     assert chain_hashes(toks[4:], BS, parent=hashes[0]) == hashes[1:]
 
 
-#: blake2b-64 chain of the module docstring; changing the algorithm must change this test.
-PINNED_FIRST_BLOCK = 12705725066386851006
+#: kvgate-kv-v2 chain of the module docstring; changing the algorithm must change this test.
+PINNED_FIRST_BLOCK = 2443308327168783513
 
 
 HASH_VARIANTS = [
@@ -267,3 +270,18 @@ def test_match_tokens_hashes_like_a_request() -> None:
     assert index.match_tokens(toks, 0.0, lora="ad", cache_salt="salt") == {"e0": (3 * BS, 0)}
     assert index.match_tokens(toks, 0.0, lora="ad") == {}
     assert index.match_tokens(toks, 0.0, block_size=8) == {}
+
+
+@pytest.mark.parametrize("n_blocks", [1, 127, 128, 300])
+def test_loop_and_vector_chains_agree(n_blocks: int) -> None:
+    """Short prompts are chained in a loop, long ones in numpy: one function either way, so a
+    prompt and its longer continuation share their leading hashes across the threshold."""
+    rnd = random.Random(n_blocks)
+    toks = [rnd.randrange(2**32) for _ in range(n_blocks * BS)]
+    whole = chain_hashes(toks, BS)
+    assert len(whole) == n_blocks
+    cut = n_blocks // 2
+    assert chain_hashes(toks[: cut * BS], BS) == whole[:cut]
+    if cut:
+        assert chain_hashes(toks[cut * BS :], BS, parent=whole[cut - 1]) == whole[cut:]
+    assert chain_hashes(array("I", toks), BS) == whole  # zero-copy input, same values

@@ -101,7 +101,8 @@ async def _plugin(**params: Any) -> Tokenizer:
 async def _tokens(plugin: Tokenizer, req: InferenceRequest) -> tuple[int, ...] | None:
     state = CycleState()
     await plugin.prepare(req, state, [])
-    return state.get(TOKEN_IDS)
+    ids = state.get(TOKEN_IDS)
+    return None if ids is None else tuple(ids)
 
 
 SIM = {"kind": "module", "module": "engines.sim.tokenizer"}
