@@ -137,7 +137,7 @@ class AsyncQueue(Plugin, Lifecycle, AsgiMount, RequestDeferral, StateResolver, N
         self.consumer = params.consumer or (
             f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
         self.metrics = QueueMetrics()
-        self.listeners: list[JobListener] = []
+        self.service = Queue(self.store, self.metrics)
         self.loopback: Loopback | None = None
         self.runner: Runner | None = None
         self.app: AsgiApp | None = None
@@ -153,13 +153,14 @@ class AsyncQueue(Plugin, Lifecycle, AsgiMount, RequestDeferral, StateResolver, N
             detail = "; ".join(f"management.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
                                for e in exc.errors())
             raise ConfigError(f"bad params: {detail}") from None
-        app = build_management_app(self, settings)
+        app = build_management_app(self.service, settings)
         self.app = app
         self._plane = plane_of(app)
 
     # -- core hooks ----------------------------------------------------------------------
     def bind_loopback(self, loopback: Loopback) -> None:
         self.loopback = loopback
+        self.service.loopback = loopback
 
     def mounts(self) -> Sequence[tuple[str, AsgiApp]]:
         app = self.app
@@ -177,7 +178,9 @@ class AsyncQueue(Plugin, Lifecycle, AsgiMount, RequestDeferral, StateResolver, N
             backoff_max_s=s.backoff_max_s, headroom=s.headroom)
         if self._plane is not None:
             await self._plane.start()
-        self.runner = Runner(self.store, self.loopback, settings, self.metrics, self.listeners)
+        self.runner = Runner(self.store, self.loopback, settings, self.metrics,
+                             self.service.listeners)
+        self.service.runner = self.runner
         self.runner.start()
         log.info("async-queue: %s store, consumer %s, up to %d jobs at once",
                  getattr(self.store, "backend", "?"), self.consumer, s.max_concurrency)
@@ -185,7 +188,7 @@ class AsyncQueue(Plugin, Lifecycle, AsgiMount, RequestDeferral, StateResolver, N
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.stop()
-            self.runner = None
+            self.runner = self.service.runner = None
         if self._plane is not None:
             await self._plane.stop()
         await self.store.close()
@@ -196,16 +199,16 @@ class AsyncQueue(Plugin, Lifecycle, AsgiMount, RequestDeferral, StateResolver, N
             return None
         now = time.time()
         if self.p.background and wants_background(req, adapter_name):
-            spec = background_spec(req, path, self.prefix_key(path, req.body),
+            spec = background_spec(req, path, prefix_key(path, req.body),
                                    self.p.background_deadline_s, now)
-            await self.submit([spec])
+            await self.service.submit([spec])
             job = Job(spec, JobState.QUEUED, 0, None, None, None)
             return Deferred(200, orjson.dumps(response_object(job)))
         if self.p.queued and wants_queue(req.headers):
             priority, deadline_s = queue_options(req.headers, self.p.queued_deadline_s)
-            spec = queued_spec(req, path, self.prefix_key(path, req.body), priority,
+            spec = queued_spec(req, path, prefix_key(path, req.body), priority,
                                deadline_s, now)
-            await self.submit([spec])
+            await self.service.submit([spec])
             return Deferred(202, accepted(spec),
                             {"location": f"/v1/queue/requests/{spec.id}"})
         return None
@@ -218,10 +221,39 @@ class AsyncQueue(Plugin, Lifecycle, AsgiMount, RequestDeferral, StateResolver, N
         if job is None:
             return None
         if method == "POST":
-            job = await self.cancel(state_id) or job
+            job = await self.service.cancel(state_id) or job
         return HttpResponse(200, orjson.dumps(response_object(job)))
 
-    # -- QueueService --------------------------------------------------------------------
+    # -- observability -------------------------------------------------------------------
+    def collector(self) -> Collector:
+        return _Collectors(self.metrics, None if self._plane is None
+                           else self._plane.collector())
+
+    def health(self) -> Mapping[str, object]:
+        out: dict[str, object] = {**self.store.health(), "consumer": self.consumer,
+                                  "running_here": self.metrics.running_here,
+                                  "headroom_open": self.metrics.gate_open}
+        outage = None if self.runner is None else self.runner.outage_since
+        if outage is not None:
+            out["ok"] = False
+            out["unavailable_since"] = outage
+        if self._plane is not None:
+            out["management"] = dict(self._plane.health())
+        return out
+
+
+class Queue:
+    """The :class:`~asyncq.api.QueueService` the management plane and the plugin's own hooks
+    use: the store, the runner to wake, the listeners (a separate object from the plugin, so
+    its ``authenticate`` is not taken for an Authenticator plugin's)."""
+
+    def __init__(self, store: JobStore, metrics: QueueMetrics) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.listeners: list[JobListener] = []
+        self.loopback: Loopback | None = None
+        self.runner: Runner | None = None
+
     async def submit(self, specs: Sequence[JobSpec]) -> int:
         try:
             new = await self.store.enqueue(specs)
@@ -272,23 +304,6 @@ class AsyncQueue(Plugin, Lifecycle, AsgiMount, RequestDeferral, StateResolver, N
             except Exception:  # one listener's bug must not fail a submit
                 log.exception("job listener %r failed on job %s", listener, job.spec.id)
 
-    # -- observability -------------------------------------------------------------------
-    def collector(self) -> Collector:
-        return _Collectors(self.metrics, None if self._plane is None
-                           else self._plane.collector())
-
-    def health(self) -> Mapping[str, object]:
-        out: dict[str, object] = {**self.store.health(), "consumer": self.consumer,
-                                  "running_here": self.metrics.running_here,
-                                  "headroom_open": self.metrics.gate_open}
-        outage = None if self.runner is None else self.runner.outage_since
-        if outage is not None:
-            out["ok"] = False
-            out["unavailable_since"] = outage
-        if self._plane is not None:
-            out["management"] = dict(self._plane.health())
-        return out
-
 
 class _Collectors(Collector):
     def __init__(self, *parts: Collector | None) -> None:
@@ -299,4 +314,4 @@ class _Collectors(Collector):
             yield from part.collect()
 
 
-__all__ = ["MOUNTS", "AsyncQueue", "open_store"]
+__all__ = ["MOUNTS", "AsyncQueue", "Queue", "open_store"]

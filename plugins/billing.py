@@ -42,7 +42,7 @@ from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from middleware.errors import BadRequest, ConfigError, Forbidden, RateLimited
 from middleware.plugin import (
@@ -109,6 +109,20 @@ class Billing(Plugin, RequestHook, UsageHook, CompletionHook, Lifecycle, RoutePr
         cost_header: str = Field("x-kvgate-cost-usd", pattern=r"^[A-Za-z0-9-]+$")
         #: Authenticator plugin guarding the usage API (admin keys only); None: unguarded.
         auth: str | None = "api-keys"
+        #: Discount per service tier (a deferred run's ``InferenceRequest.service_tier``:
+        #: ``batch``, ``queued``, ``background``) as a fraction of the price, e.g.
+        #: ``{batch: "0.5"}`` (OpenAI's Batch API price). Applied on top of the cached-token
+        #: pricing and combined with the tenant's discount: total off = 1 - (1 - tenant) x
+        #: (1 - tier). Live traffic has no tier.
+        tier_discounts: dict[str, Decimal] = Field(default_factory=dict)
+
+        @field_validator("tier_discounts")
+        @classmethod
+        def _fractions(cls, value: dict[str, Decimal]) -> dict[str, Decimal]:
+            for tier, fraction in value.items():
+                if not (fraction.is_finite() and ZERO <= fraction <= 1):
+                    raise ValueError(f"tier_discounts.{tier}: {fraction} is not in [0, 1]")
+            return value
 
     example_params = {"prices": "docs/examples/prices.yaml", "ledger": "sqlite:///tmp/x.db",
                       "auth": None}
@@ -185,7 +199,15 @@ class Billing(Plugin, RequestHook, UsageHook, CompletionHook, Lifecycle, RoutePr
             estimate = match.device.get(target.id, 0) + match.other.get(target.id, 0)
         counts = TokenCounts(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens,
                              usage.cache_write_tokens)
-        return cost(counts, price, self.book.discount(req.tenant), estimate)
+        return cost(counts, price, self._discount(req), estimate)
+
+    def _discount(self, req: InferenceRequest) -> Decimal:
+        """The tenant's discount combined with the request's tier discount (if any)."""
+        tenant = self.book.discount(req.tenant)
+        tier = self.p.tier_discounts.get(req.service_tier or "", ZERO)
+        if tier == ZERO:
+            return tenant
+        return 1 - (1 - tenant) * (1 - tier)
 
     async def on_complete(self, req: InferenceRequest, state: CycleState, target: Endpoint,
                           outcome: Outcome) -> None:
@@ -297,7 +319,7 @@ def _record(req: InferenceRequest, state: CycleState, target: Endpoint, outcome:
         status=_status(outcome), ttft_s=outcome.ttft_s,
         total_s=outcome.total_s, session=None if session is None else str(session),
         priced=priced is not None and outcome.usage is not None,
-        client_request_id=req.client_request_id, **money,
+        client_request_id=req.client_request_id, service_tier=req.service_tier, **money,
     )
 
 

@@ -33,10 +33,10 @@ EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _INTS = {"prompt_tokens", "completion_tokens", "cached_tokens", "status", "cache_write_tokens"}
 _FLOATS = {"ttft_s", "total_s"}
 _NULLABLE = {"cached_tokens", "ttft_s", "total_s", "session", "prefill_engine",
-             "client_request_id"}
+             "client_request_id", "service_tier"}
 #: Columns added after the ledger's first schema (all nullable): :func:`add_columns_sql` adds
 #: them to an existing table in place, so upgrading kvgate needs no manual migration.
-ADDED_COLUMNS = ("client_request_id",)
+ADDED_COLUMNS = ("client_request_id", "service_tier")
 
 
 class LedgerUnavailable(Exception):

@@ -61,6 +61,9 @@ class LedgerRecord:
     #: The client's ``x-request-id``, if it sent one. ``request_id`` is kvgate's own and unique
     #: per request, so a client that reuses an id gets one record (and one bill) per request.
     client_request_id: str | None = None
+    #: The pricing tier of a deferred run (``batch``, ``queued``, ``background``); None for
+    #: live traffic. Its discount (billing ``tier_discounts``) is part of ``cost_discount``.
+    service_tier: str | None = None
 
     def __post_init__(self) -> None:
         if not self.request_id:

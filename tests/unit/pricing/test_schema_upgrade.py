@@ -22,8 +22,12 @@ def test_sqlite_table_of_the_first_schema_is_upgraded(tmp_path: Path) -> None:
 
 
 def test_add_columns_sql_only_adds_what_is_missing() -> None:
-    assert add_columns_sql("sqlite", {"client_request_id"}) == []
+    assert add_columns_sql("sqlite", {"client_request_id", "service_tier"}) == []
+    assert add_columns_sql("sqlite", {"client_request_id"}) == [
+        f"ALTER TABLE {TABLE} ADD COLUMN service_tier TEXT"]
     assert add_columns_sql("sqlite", set()) == [
-        f"ALTER TABLE {TABLE} ADD COLUMN client_request_id TEXT"]
+        f"ALTER TABLE {TABLE} ADD COLUMN client_request_id TEXT",
+        f"ALTER TABLE {TABLE} ADD COLUMN service_tier TEXT"]
     assert add_columns_sql("postgresql") == [
-        f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS client_request_id TEXT"]
+        f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS client_request_id TEXT",
+        f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS service_tier TEXT"]
