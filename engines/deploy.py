@@ -100,6 +100,17 @@ class FleetSpec(BaseModel):
     #: The model's folder *on the gateway host* (tokenizer.json + chat template): with it the
     #: gateway matches the engines' KV events exactly; without it routing is approximate.
     tokenizer: str | None = None
+    #: The model's tool-call parser (vLLM: ``hermes``, ``llama3_json``, ``qwen3_coder`` ...;
+    #: SGLang: ``qwen25``, ``llama3`` ...): engines get ``--enable-auto-tool-choice
+    #: --tool-call-parser NAME`` (vLLM) / ``--tool-call-parser NAME`` (SGLang). Coding agents
+    #: need it: Claude Code and Codex send tools with automatic choice, which vLLM refuses
+    #: (400) without it. It depends on the model, so there is no default; README.txt says so.
+    tool_call_parser: str | None = None
+    #: vLLM's Responses store (``VLLM_ENABLE_RESPONSES_API_STORE=1``): ``previous_response_id``
+    #: and ``GET /v1/responses/{id}`` answered by the engine. Off by default: vLLM keeps every
+    #: stored response in the engine's memory, never evicted, and loses them on a restart
+    #: (Codex sends ``store: false`` with the whole input and needs none of it).
+    responses_store: bool = False
 
 
 def _side_port(spec: EngineSpec, protocol: str, i: int) -> int:
@@ -136,8 +147,23 @@ def _vllm(fleet: FleetSpec, spec: EngineSpec, kv_config: dict[str, Any], events:
             "--enable-prefix-caching", "--enable-prompt-tokens-details",
             "--kv-events-config", _kv_events_config(events),
             "--kv-transfer-config", _compact(kv_config),
-            *fleet.engine_args, *spec.args]
+            *_tool_args(fleet, auto_flag=True), *fleet.engine_args, *spec.args]
     return shlex.join(args)
+
+
+def _agent_notes(fleet: FleetSpec) -> str:
+    if fleet.tool_call_parser is not None:
+        return ""
+    return ("\nNote: no tool_call_parser in the fleet file: the engines refuse requests with "
+            "automatic tool choice (Claude Code, Codex and most coding agents send them) with "
+            "a 400. Set tool_call_parser to the model's parser (vLLM --tool-call-parser).\n")
+
+
+def _tool_args(fleet: FleetSpec, *, auto_flag: bool) -> list[str]:
+    if fleet.tool_call_parser is None:
+        return []
+    auto = ["--enable-auto-tool-choice"] if auto_flag else []
+    return [*auto, "--tool-call-parser", fleet.tool_call_parser]
 
 
 def _env(pairs: list[tuple[str, str]]) -> str:
@@ -155,6 +181,8 @@ def _engine_files(fleet: FleetSpec, role: str, i: int, spec: EngineSpec) -> dict
     proto = fleet.protocol
     side = _side_port(spec, proto, i)
     env = [("CUDA_VISIBLE_DEVICES", spec.gpus)]
+    if fleet.responses_store and proto != "sglang":
+        env.append(("VLLM_ENABLE_RESPONSES_API_STORE", "1"))
     files: dict[str, str] = {}
     kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
     if proto == "nixl":
@@ -177,7 +205,7 @@ def _engine_files(fleet: FleetSpec, role: str, i: int, spec: EngineSpec) -> dict
             "--disaggregation-bootstrap-port", str(side),
             "--disaggregation-transfer-backend", "mooncake", "--enable-cache-report",
             "--kv-events-config", _kv_events_config(events),
-            *fleet.engine_args, *spec.args])
+            *_tool_args(fleet, auto_flag=False), *fleet.engine_args, *spec.args])
     files[f"{name}.sh"] = _script(name, env, cmd)
     return files
 
@@ -274,7 +302,8 @@ def render(fleet: FleetSpec) -> dict[str, str]:
     files["kvgate.yaml"] = _gateway_config(fleet)
     order.append("kvgate serve --config kvgate.yaml")
     files["README.txt"] = ("Start in this order:\n"
-                           + "".join(f"  {n}. {s}\n" for n, s in enumerate(order, 1)))
+                           + "".join(f"  {n}. {s}\n" for n, s in enumerate(order, 1))
+                           + _agent_notes(fleet))
     return files
 
 

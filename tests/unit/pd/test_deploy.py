@@ -205,3 +205,36 @@ def test_command_rejects_bad_fleet(tmp_path: Path, capsys: pytest.CaptureFixture
     assert cli.main(["deploy", "render", str(spec), "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "protocol" in err and "pools.prefill" in err
+
+
+def _exec_args(script: str) -> list[str]:
+    return shlex.split(next(line for line in script.splitlines() if line.startswith("exec ")))
+
+
+AGENT_CASES = [
+    # protocol, fleet extras, flags expected on every engine, store env expected
+    ("nixl", {"tool_call_parser": "hermes"},
+     ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], False),
+    ("mooncake", {"tool_call_parser": "qwen3_coder", "responses_store": True},
+     ["--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder"], True),
+    ("sglang", {"tool_call_parser": "qwen25", "responses_store": True},
+     ["--tool-call-parser", "qwen25"], False),  # no auto flag, no vLLM store in SGLang
+    ("nixl", {}, [], False),
+]
+
+
+@pytest.mark.parametrize(("protocol", "extra", "flags", "store"), AGENT_CASES)
+def test_agent_ready_engines(protocol: str, extra: dict[str, Any], flags: list[str],
+                             store: bool) -> None:
+    """Coding agents send tools with automatic choice (vLLM: 400 without a parser) and
+    Responses state needs vLLM's store: both rendered on every engine when asked for."""
+    files = render(_fleet(protocol, **extra))
+    for name in ("prefill-0.sh", "prefill-1.sh", "decode-0.sh"):
+        args = _exec_args(files[name])
+        if flags:
+            at = args.index(flags[-1])
+            assert args[at - len(flags) + 1 : at + 1] == flags
+        assert ("--tool-call-parser" in args) == bool(flags)
+        assert ("--enable-auto-tool-choice" in args) == ("--enable-auto-tool-choice" in flags)
+        assert (_exports(files[name]).get("VLLM_ENABLE_RESPONSES_API_STORE") == "1") == store
+    assert ("no tool_call_parser" in files["README.txt"]) == (not flags)
