@@ -28,6 +28,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up.add_argument("--count", type=int, default=2)
     up.add_argument("--kv-events", help="ZMQ address the engines publish KV events to")
     up.add_argument("--pd", action="store_true", help="a NixlConnector prefill/decode pair")
+    up.add_argument("--agent-apis", action="store_true",
+                    help="tools with automatic choice (pythonic parser) and vLLM's Responses "
+                         "store, for Claude Code / Codex style clients")
     up.set_defaults(func=_up)
     esub.add_parser("down", help="stop the engines 'up' started").set_defaults(func=_down)
 
@@ -58,7 +61,8 @@ def _up(args: argparse.Namespace) -> int:
     if load_state(fleet_state_file()):
         print("engines are already up (kvgate engines down first)")
         return 1
-    engines = start_pd_pair() if args.pd else start_fleet(args.count, args.kv_events)
+    engines = start_pd_pair() if args.pd else start_fleet(args.count, args.kv_events,
+                                                          agent=args.agent_apis)
     save_state(engines, fleet_state_file())
     for e in engines:
         print(f"{e.name}\t{e.url}\trole={e.role or 'both'}\trss={rss_mib(e):.0f} MiB\tlog={e.log}")

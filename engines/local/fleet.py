@@ -17,16 +17,17 @@ def _cores() -> int:
 def start_fleet(count: int, kv_events: str | None = None, seed: int = 0,
                 progress: Callable[[str], None] = print, *,
                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
-                kv_events_bind: bool = False) -> list[LocalEngine]:
+                kv_events_bind: bool = False, agent: bool = False) -> list[LocalEngine]:
     """Start ``count`` engines (one core each, round robin over the cores) and wait for health.
 
     ``kv_cache_bytes``: each engine's KV cache; ``kv_events_bind``: each engine binds its own
-    KV-event socket (``LocalEngine.kv_events``) instead of connecting to ``kv_events``.
+    KV-event socket (``LocalEngine.kv_events``) instead of connecting to ``kv_events``;
+    ``agent``: ready for coding agents (tools with automatic choice, the Responses store).
     Stops whatever it started if any engine fails to come up.
     """
     model = ensure_model(seed, progress)
     engines = [spawn(model, f"vllm-{i}", i % _cores(), kv_events, kv_cache_bytes=kv_cache_bytes,
-                     kv_events_bind=kv_events_bind) for i in range(count)]
+                     kv_events_bind=kv_events_bind, agent=agent) for i in range(count)]
     try:
         progress(f"engines: waiting for {count} vLLM CPU engines to become healthy ...")
         wait_healthy(engines)

@@ -82,11 +82,18 @@ def _events_config(kv_events: str | None, name: str, bind_port: int | None) -> d
     return {**cfg, "endpoint": kv_events, "topic": f"kv@{name}"}
 
 
+#: What coding agents need from an engine: tools with automatic choice (``pythonic``: the tiny
+#: model's tokenizer has no ``<|python_tag|>``, which ``llama3_json`` requires).
+AGENT_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
+#: ... and vLLM's Responses store (``previous_response_id``, ``GET /v1/responses/{id}``).
+AGENT_ENV = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
+
+
 def engine_args(model: Path, name: str, port: int, kv_events: str | None,
                 pd_role: PdRole | None, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
-                kv_events_bind_port: int | None = None) -> list[str]:
+                kv_events_bind_port: int | None = None, *, agent: bool = False) -> list[str]:
     """The engine's command line; ``kv_events`` (connect) and ``kv_events_bind_port`` (bind
-    ``tcp://*:port``) are exclusive."""
+    ``tcp://*:port``) are exclusive; ``agent``: with :data:`AGENT_ARGS`."""
     if kv_events is not None and kv_events_bind_port is not None:
         raise ValueError("kv_events (connect) and kv_events_bind_port (bind) are exclusive")
     args = [
@@ -104,6 +111,8 @@ def engine_args(model: Path, name: str, port: int, kv_events: str | None,
         role = "kv_producer" if pd_role == "prefill" else "kv_consumer"
         cfg = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
         args += ["--kv-transfer-config", json.dumps(cfg)]
+    if agent:
+        args += AGENT_ARGS
     return args
 
 
@@ -120,16 +129,18 @@ def engine_env(core: int, pd_role: PdRole | None) -> dict[str, str]:
 def spawn(model: Path, name: str, core: int, kv_events: str | None = None,
           pd_role: PdRole | None = None, log_dir: Path | None = None, *,
           kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
-          kv_events_bind: bool = False) -> LocalEngine:
+          kv_events_bind: bool = False, agent: bool = False) -> LocalEngine:
     port = free_port()
     bind_port = free_port() if kv_events_bind else None
     logs = log_dir or kvgate_home() / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{name}-{port}.log"
-    argv = engine_args(model, name, port, kv_events, pd_role, kv_cache_bytes, bind_port)
+    argv = engine_args(model, name, port, kv_events, pd_role, kv_cache_bytes, bind_port,
+                       agent=agent)
+    env = {**engine_env(core, pd_role), **(AGENT_ENV if agent else {})}
     with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                env=engine_env(core, pd_role), start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
     extra = {} if bind_port is None else {"kv_events": f"tcp://127.0.0.1:{bind_port}"}
     return LocalEngine(name, port, proc.pid, str(log), time.monotonic(), pd_role, extra=extra)
 

@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 
 from engines.local import venv
-from engines.local.launcher import LocalEngine, engine_args, engine_env, load_state, save_state
+from engines.local.launcher import (
+    AGENT_ENV,
+    LocalEngine,
+    engine_args,
+    engine_env,
+    load_state,
+    save_state,
+)
 
 
 @pytest.mark.parametrize(("events", "role", "present", "absent"), [
@@ -81,3 +88,12 @@ def test_bound_engine_records_where_to_subscribe() -> None:
     bound = LocalEngine("vllm-0", 8000, 1, "/l", 0.0, extra={"kv_events": "tcp://127.0.0.1:7"})
     assert bound.kv_events == "tcp://127.0.0.1:7"
     assert LocalEngine("vllm-1", 8001, 2, "/l", 0.0).kv_events is None
+
+
+def test_agent_engines_take_tools_and_keep_responses() -> None:
+    """``kvgate engines up --agent-apis``: what Claude Code / Codex style clients need."""
+    plain = engine_args(Path("/m"), "vllm-0", 8000, None, None)
+    agent = engine_args(Path("/m"), "vllm-0", 8000, None, None, agent=True)
+    assert agent[: len(plain)] == plain
+    assert agent[len(plain):] == ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
+    assert AGENT_ENV == {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
