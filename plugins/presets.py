@@ -18,6 +18,10 @@ product's default: cache-aware with no setup, precise when the fleet allows it.
   in-flight work that placement reads, the second reads and echoes the session headers and
   produces the session key that placement pins. Neither is weighted: a second weighted opinion
   on the same facts is what made the old profile pile sessions onto one engine.
+* **Async.** ``async-queue`` with its defaults (docs/async.md): queued requests
+  (``x-kvgate-queue: true``), background responses (so the ``responses`` API accepts
+  ``background: true``) and the Batch/Files API, in SQLite under ``.kvgate/`` (where the
+  ledger's default lives), run while the engines have headroom.
 * **P/D.** Decode first (placement over decode engines: the conversation's KV lives where it
   was decoded), then a prefill hop only when at least 256 prompt tokens are not on that decode
   engine (placement over prefill engines).
@@ -65,11 +69,18 @@ _COMMON = [{"ref": "health-filter"}, {"ref": "model-filter"}]
 _TAIL = [{"ref": "kv-placement-scorer", "weight": 1.0}, {"ref": "max-score-picker"}]
 
 
+#: The async queue with its defaults, and the Responses API accepting ``background: true``
+#: (which the queue then runs and bills).
+_ASYNC: list[dict[str, Any]] = [{"type": "async-queue"}]
+_APIS: dict[str, Any] = {"responses": {"allow_background": True}}
+
+
 def cache_aware(qs: QuickStart) -> dict[str, Any]:
     """Preset ``cache-aware``: one profile over every engine."""
     return {
-        "plugins": _producers(qs),
+        "plugins": [*_producers(qs), *_ASYNC],
         "profiles": [{"name": "default", "plugins": [*_COMMON, *_TAIL]}],
+        "apis": _APIS,
     }
 
 
@@ -83,9 +94,11 @@ def cache_aware_pd(qs: QuickStart) -> dict[str, Any]:
         picker,
         {"type": "pd-profile-handler",
          "params": {"min_uncached_tokens": PD_MIN_UNCACHED_TOKENS}},
+        *_ASYNC,
     ]
     return {
         "plugins": plugins,
+        "apis": _APIS,
         "profiles": [
             {"name": "decode", "plugins": [*_COMMON, {"ref": "decode-role"}, *_TAIL]},
             {"name": "prefill", "plugins": [*_COMMON, {"ref": "prefill-role"}, *_TAIL]},
