@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from plugins.kv_hashing import ExtraKeys, HashingError, chain_hashes, request_extra_keys
@@ -52,6 +52,9 @@ __all__ = [
 #: Tier bits of a hold.
 DEVICE = 1
 OTHER = 2
+#: Not a tier: set on record entries learnt from an engine's reported cached tokens (no event
+#: announced those blocks); cleared when an event does.
+LEARNED = 4
 #: ``medium`` values that mean device (accelerator) memory; vLLM reports "GPU" (also on CPU
 #: builds), and older engines omit the field, which vLLM documents as GPU.
 DEVICE_MEDIA = frozenset({"GPU", None})
@@ -108,6 +111,10 @@ class IndexStats:
     evicted_blocks: int = 0
     expired_blocks: int = 0
     resets: int = 0
+    #: blocks an engine's reported cached_tokens said it held (plugins.prefix_cache._learn)
+    learned_blocks: int = 0
+    #: speculative or learnt entries dropped because the engine reported holding less
+    unlearned_blocks: int = 0
 
 
 class KvIndex:
@@ -196,6 +203,19 @@ class KvIndex:
         """Tokens of the longest prefix an engine's holders hold *from its events* (speculative
         entries, which only guess what a dispatched request will store, end the run). Read-only:
         nothing is refreshed or expired."""
+        return self._run(hashes_by_size, engine, group_idx, lambda hold: hold.ekey is not None)
+
+    def unlearned(
+        self, hashes_by_size: Mapping[int, Sequence[int]], engine: str, group_idx: int = 0,
+    ) -> int:
+        """Tokens of the longest prefix held by entries *not* learnt from reported cached
+        tokens (events, resolved ancestors, speculation): what the index knew on its own.
+        Read-only."""
+        return self._run(hashes_by_size, engine, group_idx,
+                         lambda hold: not hold.tiers & LEARNED)
+
+    def _run(self, hashes_by_size: Mapping[int, Sequence[int]], engine: str, group_idx: int,
+             counts: Callable[[Hold], bool]) -> int:
         best = 0
         for hid, holder in self._holders.items():
             if engine_of(hid) != engine:
@@ -204,7 +224,7 @@ class KvIndex:
             run = 0
             for h in hashes_by_size.get(size, ()):
                 hold = holder.blocks.get(h)
-                if hold is None or hold.ekey is None:
+                if hold is None or not counts(hold):
                     break
                 run += 1
             best = max(best, run * size)
@@ -435,7 +455,7 @@ class KvIndex:
     # -- records (speculative / approximate) -----------------------------------------------
     def record(
         self, holder_key: HolderId, hashes: Sequence[int], expires: float, *, block_size: int,
-        group_idx: int = 0,
+        group_idx: int = 0, learned: bool = False,
     ) -> None:
         """Note that ``holder`` should hold ``hashes`` (device tier) until ``expires``.
 
@@ -443,25 +463,43 @@ class KvIndex:
         approximate mode. ``hashes`` are of ``group_idx``'s chain in blocks of ``block_size``,
         which becomes the holder's block size for that group until an event says otherwise.
         A block already known from an event keeps its event entry and is only refreshed; an
-        earlier record gets the later expiry.
+        earlier record gets the later expiry. ``learned``: the entries come from the engine's
+        reported cached tokens (flagged :data:`LEARNED` until an event announces them).
         """
         holder = self._holder(holder_key)
         holder.block_sizes.setdefault(group_idx, block_size)
         blocks = holder.blocks
         get, refresh = blocks.get, blocks.move_to_end
+        bits = DEVICE | LEARNED if learned else DEVICE
         added = 0
         for h in reversed(hashes):  # one pass, no calls but the dict's: ~0.3 us per block
             hold = get(h)
             if hold is None:
-                blocks[h] = Hold(DEVICE, expires, None)
+                blocks[h] = Hold(bits, expires, None)
                 added += 1
                 continue
             if hold.expires < expires:  # an event's entry never expires (inf): kept as is
                 hold.expires = expires
-                hold.tiers |= DEVICE
+                hold.tiers |= bits
             refresh(h)
         self._size += added
         self._enforce(holder, holder_key)
+
+    def forget_records(self, holder_key: HolderId, hashes: Iterable[int],
+                       expiring_after: float) -> int:
+        """Drop the record entries among ``hashes`` that expire after ``expiring_after`` (a
+        finite expiry: entries known from events stay; an earlier bound keeps shorter-lived
+        entries such as speculation). Returns how many were dropped."""
+        holder = self._holders.get(holder_key)
+        if holder is None:
+            return 0
+        dropped = 0
+        for h in hashes:
+            hold = holder.blocks.get(h)
+            if hold is not None and expiring_after < hold.expires != _NEVER:
+                self._drop(holder, h)
+                dropped += 1
+        return dropped
 
     # -- internals ------------------------------------------------------------------------
     def _holder(self, key: HolderId) -> _Holder:

@@ -92,6 +92,9 @@ class _Check:
     inexact: bool
     #: Of ``predicted``, the tokens known from the engine's own events (the rest: speculative).
     confirmed: int = 0
+    #: Of ``predicted``, the tokens the index knew without learning them from usage: what the
+    #: health check judges (learnt entries route well but must not hide missing events).
+    unlearned: int | None = None
 
 
 _CHECK: StateKey[_Check] = StateKey("prefix-cache-check")
@@ -123,6 +126,12 @@ class PrefixCacheProducer(Plugin, DataProducer, DispatchHook, UsageHook, Endpoin
         events: str = "kv-events"
         #: precise / auto: lifetime of speculative entries, seconds (0: no speculation).
         speculative_ttl_s: float = Field(2.0, ge=0)
+        #: precise / auto: lifetime of what an engine's reported ``cached_tokens`` taught the
+        #: index (prefixes it held that no event announced: cached before the gateway started
+        #: or before its subscription caught up), seconds; refreshed by every later report,
+        #: dropped by a lower one. 300: longer than a coding agent's think time between turns,
+        #: short enough that a prefix the engine evicted silently is not chased for long.
+        learned_ttl_s: float = Field(300.0, ge=0)
         #: approximate / auto: tokens per block of the gateway's own record. 64 keeps hashing a
         #: 10k-token prompt to ~160 blocks while losing at most 63 tokens of a match.
         block_size: int = Field(64, ge=1)
@@ -319,10 +328,13 @@ class PrefixCacheProducer(Plugin, DataProducer, DispatchHook, UsageHook, Endpoin
             dev, oth = (state.get(_PREDICTED) or {}).get(target, (0, 0))
             size = self.events.block_size(target, self.p.group_idx)
             hashes = state.get(_EVENT_HASHES)
-            confirmed = 0 if hashes is None else self.events.confirmed(
-                hashes, target, self.p.group_idx)
+            confirmed = unlearned = 0
+            if hashes is not None:
+                confirmed = self.events.confirmed(hashes, target, self.p.group_idx)
+                unlearned = self.events.unlearned(hashes, target, self.p.group_idx)
             state.put(_CHECK, _Check(target, dev + oth, size, len(tokens), now,
-                                     inexact is not None, min(confirmed, dev + oth)))
+                                     inexact is not None, min(confirmed, dev + oth),
+                                     min(unlearned, dev + oth)))
 
     def _speculate(self, req: InferenceRequest, state: CycleState, ep: Endpoint,
                    tokens: Sequence[int], now: float) -> None:
@@ -359,6 +371,7 @@ class PrefixCacheProducer(Plugin, DataProducer, DispatchHook, UsageHook, Endpoin
         if check is None or check.target != target.id:
             return
         size = check.block_size
+        self._extend_speculation(state, target.id, size)
         cap = max(0, (usage.prompt_tokens - 1) // size * size)
         predicted = min(check.predicted, cap)
         reported = usage.cached_tokens
@@ -366,9 +379,40 @@ class PrefixCacheProducer(Plugin, DataProducer, DispatchHook, UsageHook, Endpoin
         self.states.served(target.id, check.dispatched_at, expects_event=known < cap)
         if reported is None or check.inexact:
             return
-        self.states.prediction(target.id, predicted, reported, size,
+        judged = predicted if check.unlearned is None else min(predicted, check.unlearned)
+        self.states.prediction(target.id, judged, reported, size,
                                tokens_agree=check.prompt_tokens == usage.prompt_tokens,
                                confirmed=min(check.confirmed, cap))
+        if check.prompt_tokens == usage.prompt_tokens:
+            self._learn(state, target.id, reported, size)
+
+    def _extend_speculation(self, state: CycleState, engine: EndpointId, size: int) -> None:
+        """The prompt's speculative entries live ``speculative_ttl_s`` past the end of the
+        request, not only past its dispatch: a prefill longer than the TTL (a long prompt, a
+        busy engine) would otherwise let them lapse before the engine stores the blocks and its
+        events arrive, and the next turn would be placed as if nothing were cached."""
+        hashes = (state.get(_EVENT_HASHES) or {}).get(size)
+        if self.events is None or not hashes or self.p.speculative_ttl_s <= 0:
+            return
+        self.events.record(engine, hashes, self.clock() + self.p.speculative_ttl_s,
+                           block_size=size, group_idx=self.p.group_idx)
+
+    def _learn(self, state: CycleState, engine: EndpointId, reported: int, size: int) -> None:
+        """What the engine says it held: its first ``reported // size`` blocks become learnt
+        entries (``learned_ttl_s``); learnt entries beyond them are dropped (the engine no
+        longer held those). Entries from its events, and speculation (the blocks this request
+        is storing, until their events arrive), are left as they are."""
+        hashes = (state.get(_EVENT_HASHES) or {}).get(size)
+        if self.events is None or not hashes or self.p.learned_ttl_s <= 0:
+            return
+        held = min(reported // size, len(hashes))
+        now = self.clock()
+        if held:
+            self.events.record(engine, hashes[:held], now + self.p.learned_ttl_s,
+                               block_size=size, group_idx=self.p.group_idx, learned=True)
+            self.events.stats.learned_blocks += held
+        self.events.stats.unlearned_blocks += self.events.forget_records(
+            engine, hashes[held:], now + self.p.speculative_ttl_s)
 
 
 class _NoMetrics(Collector):

@@ -201,3 +201,67 @@ async def test_silence_is_reported_through_usage() -> None:
     sub.health_state.tick()
     assert sub.health_state.state("e0") is IndexState.DEGRADED
     assert sub.health_state.reason("e0").startswith("silent")
+
+
+async def test_reported_cached_tokens_teach_the_index_what_no_event_announced() -> None:
+    """A restarted gateway (empty index) learns from the engine's cached_tokens what it held
+    before: the next turn is matched there; a lower report drops what was learnt beyond it;
+    learnt entries expire after learned_ttl_s. Events are not needed for any of it."""
+    clock = Clock()
+    sub = _sub(clock)
+    producer = _producer(sub, clock, learned_ttl_s=300)
+    toks = blocks(8, 5, BS)
+    first = await _serve(producer, toks, "e0", cached=4 * BS)  # held since before the restart
+    assert not first.device
+    clock.now += 10  # past the speculative entries
+    again = await _serve(producer, toks, "e1", cached=0)
+    assert dict(again.device).get("e0") == 4 * BS
+    assert sub.index.stats.learned_blocks == 4
+    clock.now += 10
+    await _serve(producer, toks, "e0", cached=1 * BS)  # the engine evicted the rest since
+    assert sub.index.stats.unlearned_blocks == 3
+    clock.now += 10
+    after = await _serve(producer, toks, "e1", cached=0)
+    assert dict(after.device).get("e0") == 1 * BS
+    clock.now += 301
+    gone = await _serve(producer, toks, "e1", cached=0)
+    assert "e0" not in dict(gone.device)
+
+
+async def test_learnt_entries_do_not_hide_missing_events_from_the_health_check() -> None:
+    """Routing uses what usage taught, but the prediction judged for health is what the index
+    knew without it: an engine whose hits no event ever announces still goes degraded."""
+    clock = Clock()
+    sub = _sub(clock)
+    producer = _producer(sub, clock)
+    toks = blocks(9, 4, BS)
+    matches = []
+    for _ in range(6):
+        matches.append(await _serve(producer, toks, "e0", cached=3 * BS))
+        clock.now += 10
+    # learnt and used while exact; then degraded: routed on the gateway's record (all 4 blocks)
+    assert [dict(m.device).get("e0") for m in matches[1:]] == [3 * BS] * 4 + [4 * BS]
+    assert sub.health_state.state("e0") is not IndexState.EXACT
+    assert sub.health_state.results("e0")["under"] >= 5
+
+
+async def test_speculation_lasts_past_the_end_of_a_long_request() -> None:
+    """A prefill longer than speculative_ttl_s (busy engine): the entries still cover the next
+    turn, sent right after the answer, until the engine's events arrive."""
+    clock = Clock()
+    sub = _sub(clock)
+    producer = _producer(sub, clock, speculative_ttl_s=2)
+    toks = blocks(10, 3, BS)
+    state = CycleState()
+    state.put(TOKEN_IDS, tuple(toks))
+    req = request(Api.COMPLETIONS)
+    await producer.prepare(req, state, EPS)
+    await producer.before_dispatch(req, state, RoutingDecision(target=EPS[0]))
+    clock.now += 5  # the request took 5 s: dispatch-time speculation alone would have lapsed
+    await producer.on_usage(req, state, EPS[0], Usage(len(toks), 1, 0))
+    clock.now += 1
+    nxt = await _serve(producer, toks, "e1")
+    assert dict(nxt.device) == {"e0": 3 * BS}
+    clock.now += 2
+    late = await _serve(producer, toks, "e1")
+    assert "e0" not in dict(late.device)  # no event ever came: it lapses 2 s after the end
