@@ -39,7 +39,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from asyncq.api import TERMINAL, JobSpec, JobState, QueueService
+from asyncq.api import TERMINAL, Job, JobSpec, JobState, QueueService
 from asyncq.batch_lines import (
     BadLine,
     bad_line_row,
@@ -383,7 +383,7 @@ class BatchManager:
             self._dirty.add(batch_id)
         self._wake.set()
 
-    async def on_job(self, job: Any) -> None:
+    async def on_job(self, job: Job) -> None:
         """JobListener: a batch request reached a terminal state -> check its batch soon."""
         if job.spec.batch_id is not None and job.state in TERMINAL:
             self.mark_dirty(job.spec.batch_id)
