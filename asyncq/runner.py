@@ -120,11 +120,11 @@ class Runner:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        held = [*self.window, *self._running_jobs]  # before the tasks' cleanup forgets them
         tasks = list(self.active.values())
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        held = [*self.window, *(j for j in self._running_jobs)]
         self.window.clear()
         for job in held:
             with contextlib.suppress(QueueUnavailable):

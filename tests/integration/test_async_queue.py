@@ -6,6 +6,7 @@ and health."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator
 from decimal import Decimal
@@ -18,6 +19,7 @@ import pytest
 
 from asyncq.api import Job, JobState
 from asyncq.plugin import AsyncQueue
+from asyncq.store_sqlite import SqliteJobStore
 from engines.sim.faults import FaultSpec
 from engines.sim.testing import RunningSim
 from middleware.app import KvgateApp, create_app
@@ -244,3 +246,26 @@ async def test_metrics_and_health(gw: tuple[KvgateApp, httpx.AsyncClient], keys:
     assert 'kvgate_async_job_wait_seconds_count{kind="queued"} 1.0' in metrics
     health = (await client.get("/health")).json()["plugins"]["async-queue"]
     assert health["backend"] == "sqlite" and health["ok"] is True
+
+
+async def _is_running(queue: AsyncQueue, job_id: str) -> bool:
+    job = await queue.service.get(job_id)
+    return job is not None and job.state is JobState.RUNNING
+
+
+async def test_a_clean_stop_gives_claimed_jobs_back(tmp_path: Path, keys: Keys) -> None:
+    async with sim_fleet(1) as sims:
+        sims[0].faults.apply(FaultSpec(delay_first_byte_s=5.0))
+        async for app, client in _gateway(sims, tmp_path, keys, max_concurrency=1):
+            ids = [(await client.post("/v1/chat/completions", json=CHAT,
+                                      headers={**Q, **keys.auth("user")})).json()["id"]
+                   for _ in range(3)]
+            await until(functools.partial(_is_running, queue_of(app), ids[0]))
+        store = SqliteJobStore(tmp_path / "jobs.sqlite")
+        await store.open()
+        try:
+            jobs = [await store.get(i) for i in ids]
+        finally:
+            await store.close()
+    # the one in flight and the ones in the window are queued again, not left on a lease
+    assert [j.state if j else None for j in jobs] == [JobState.QUEUED] * 3
