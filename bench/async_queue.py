@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import random
+import shutil
 import sqlite3
 import statistics
 import sys
@@ -62,6 +63,8 @@ class Fleet:
 class Queue:
     window: int = 256
     max_concurrency: int = 8
+    #: Headroom overrides (None: the plugin's defaults).
+    headroom: tuple[tuple[str, float], ...] = ()
 
 
 def _text(rng: random.Random, words: int) -> str:
@@ -78,7 +81,8 @@ def _config(urls: Sequence[str], port: int, root: Path, queue: Queue) -> Path:
             plugin["params"] = {"backend": f"sqlite://{root.resolve()}/jobs.sqlite",
                                 "management": None,
                                 "window": queue.window,
-                                "max_concurrency": queue.max_concurrency}
+                                "max_concurrency": queue.max_concurrency,
+                                "headroom": dict(queue.headroom)}
     path = root / "kvgate.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -86,8 +90,10 @@ def _config(urls: Sequence[str], port: int, root: Path, queue: Queue) -> Path:
 
 @contextlib.contextmanager
 def system(root: Path, fleet: Fleet, queue: Queue) -> Iterator[str]:
-    """Fresh engines (empty caches) and a gateway in front; yields the gateway URL."""
-    root.mkdir(parents=True, exist_ok=True)
+    """Fresh engines (empty caches), a fresh job store and a gateway in front; yields the
+    gateway URL."""
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
     with contextlib.ExitStack() as stack:
         urls = []
         for i in range(fleet.engines):
@@ -200,13 +206,19 @@ async def _with_batch(url: str, root: Path, args: argparse.Namespace, seed: int,
     return {"ttft": ttfts, "batch_s": done, "submit_s": submitted, "succeeded": ok}
 
 
+def _gate(args: argparse.Namespace) -> Queue:
+    given = (("max_jobs_per_engine", args.max_jobs_per_engine),
+             ("max_live_per_engine", args.max_live_per_engine))
+    return Queue(headroom=tuple((k, v) for k, v in given if v is not None))
+
+
 def part_a(args: argparse.Namespace, trial: int, tmp: Path) -> dict[str, Any]:
     seed = 1000 + trial
-    with system(tmp / f"a{trial}-alone", Fleet(), Queue()) as url:
+    with system(tmp / f"a{trial}-alone", Fleet(), _gate(args)) as url:
         alone = asyncio.run(live_traffic(url, args.rate, args.duration, seed))
-    with system(tmp / f"a{trial}-mixed", Fleet(), Queue()) as url:
+    with system(tmp / f"a{trial}-mixed", Fleet(), _gate(args)) as url:
         mixed = asyncio.run(_with_batch(url, tmp / f"a{trial}-mixed", args, seed, True))
-    with system(tmp / f"a{trial}-idle", Fleet(), Queue()) as url:
+    with system(tmp / f"a{trial}-idle", Fleet(), _gate(args)) as url:
         idle = asyncio.run(_with_batch(url, tmp / f"a{trial}-idle", args, seed, False))
     out = {
         "live_alone": {"n": len(alone), "ttft_p50_s": _p(alone, 0.5),
@@ -303,6 +315,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--rate", type=float, default=4.0, help="live requests per second")
     p.add_argument("--duration", type=float, default=30.0, help="live traffic, seconds")
     p.add_argument("--batch", type=int, default=300, help="queued jobs in part (a)")
+    p.add_argument("--max-jobs-per-engine", type=int, default=None,
+                   help="headroom.max_jobs_per_engine (default: the plugin's)")
+    p.add_argument("--max-live-per-engine", type=float, default=None,
+                   help="headroom.max_live_per_engine (default: the plugin's)")
     p.add_argument("--prefixes", type=int, default=4)
     p.add_argument("--prefix-words", type=int, default=1500)
     p.add_argument("--prefix-jobs", type=int, default=160)
