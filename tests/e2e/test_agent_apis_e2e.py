@@ -462,3 +462,60 @@ def test_engine_dies_mid_stream_then_none_healthy(
     resp = httpx.post(url + "/v1/responses", headers=keys.auth("user"), timeout=30,
                       json={"model": SERVED_NAME, "input": "x"})
     _openai_shape(resp, 503)
+
+
+def _job_records(tmp: Path, ids: list[str]) -> dict[str, LedgerRecord]:
+    """Ledger rows of deferred jobs by request id (= job id), waiting for the writer."""
+    deadline = time.monotonic() + 10
+    while True:
+        backend = open_backend(f"sqlite://{tmp}/ledger.sqlite")
+        try:
+            rows = {r.request_id: r for r in backend.query(*ALL) if r.request_id in ids}
+        finally:
+            backend.close()
+        if len(rows) == len(ids) or time.monotonic() > deadline:
+            assert sorted(rows) == sorted(ids)
+            return rows
+        time.sleep(0.1)
+
+
+def test_background_response_and_queued_request_through_the_default_preset(
+        gateway: tuple[str, Path, Keys]) -> None:
+    """The async queue of the default preset on real vLLM: ``background: true`` with the real
+    openai SDK (same id from create to completed, ``previous_response_id`` continues on the
+    engine that stored it), and a queued chat request (202, then its result by id); both
+    billed once at their tier."""
+    url, tmp, keys = gateway
+    client = openai.OpenAI(base_url=url + "/v1", api_key=keys.user, max_retries=0)
+    created = client.responses.create(model=SERVED_NAME, input="Name a prime number.",
+                                      background=True, max_output_tokens=8, temperature=0)
+    assert (created.status, created.background) == ("queued", True)
+    deadline = time.monotonic() + 120
+    done = client.responses.retrieve(created.id)
+    while done.status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, done
+        time.sleep(0.3)
+        done = client.responses.retrieve(created.id)
+    assert done.status in ("completed", "incomplete") and done.id == created.id
+    assert done.output_text
+    follow = client.responses.with_raw_response.create(
+        model=SERVED_NAME, input="And another one?", previous_response_id=created.id,
+        max_output_tokens=8, temperature=0)
+    assert follow.parse().status in ("completed", "incomplete")
+    queued = httpx.post(url + "/v1/chat/completions", timeout=30, headers={
+        **keys.auth("user"), "x-kvgate-queue": "true"}, json={
+        "model": SERVED_NAME, "max_tokens": 4, "temperature": 0,
+        "messages": [{"role": "user", "content": "Say hi."}]})
+    assert queued.status_code == 202, queued.text
+    job_id = queued.json()["id"]
+    while (got := httpx.get(f"{url}/v1/queue/requests/{job_id}", headers=keys.auth("user"),
+                            timeout=30).json())["status"] in ("queued", "running"):
+        assert time.monotonic() < deadline, got
+        time.sleep(0.3)
+    assert got["status"] == "succeeded" and got["result"]["status_code"] == 200
+    assert got["result"]["body"]["choices"][0]["message"]["content"]
+    records = _job_records(tmp, [created.id, job_id])
+    assert (records[created.id].service_tier, records[job_id].service_tier) == (
+        "background", "queued")
+    assert all(r.status == 200 and r.tenant == "globex" for r in records.values())
+    assert follow.headers["x-kvgate-engine"] == records[created.id].engine
