@@ -82,7 +82,8 @@ def _ep(name: str, in_flight: int, waiting: float | None = None, kv: float | Non
     ([], 0, "no_engine"),
 ])
 def test_headroom_gate(eps: list[Endpoint], own: int, reason: str) -> None:
-    verdict = gate(eps, own, HeadroomParams())
+    params = HeadroomParams(max_live_per_engine=1.0, max_jobs_per_engine=4)
+    verdict = gate(eps, own, params)
     assert verdict.reason == reason and verdict.open is (reason == "open")
 
 
@@ -94,6 +95,17 @@ def test_headroom_gate(eps: list[Endpoint], own: int, reason: str) -> None:
 def test_run_body_is_not_streamed_nor_backgrounded(body: dict[str, Any],
                                                    expected: dict[str, Any]) -> None:
     assert json.loads(run_body(json.dumps(body).encode())) == expected
+
+
+@pytest.mark.parametrize(("eps", "own", "reason"), [
+    ([_ep("a", 0), _ep("b", 0)], 0, "open"),
+    ([_ep("a", 1), _ep("b", 0)], 0, "live_load"),     # any live request in flight
+    ([_ep("a", 2), _ep("b", 1)], 3, "open"),          # only our own jobs
+    ([_ep("a", 2), _ep("b", 2)], 4, "job_slots"),     # 2 jobs per engine
+])
+def test_headroom_defaults_start_jobs_only_in_live_gaps(eps: list[Endpoint], own: int,
+                                                        reason: str) -> None:
+    assert gate(eps, own, HeadroomParams()).reason == reason
 
 
 def test_run_body_keeps_bytes_it_cannot_parse() -> None:
