@@ -4,60 +4,23 @@ restart keeps the queue, as a production Redis must), job specs, and polling."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-import socket
-import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
 from asyncq.api import JobSpec
-from tests.servers import free_port
+from tests.servers import RedisServer
 
-REDIS_SERVER = shutil.which("redis-server")
 T = TypeVar("T")
 
 
-class PersistentRedis:
-    """redis-server on loopback with ``appendonly yes`` / ``appendfsync always`` in ``data``;
-    ``stop()`` then ``start()`` comes back with the same data on the same port."""
+class PersistentRedis(RedisServer):
+    """redis-server on loopback that keeps its data in ``data`` across ``stop()``/``start()``
+    (tests.servers.RedisServer with persistence)."""
 
     def __init__(self, data: Path) -> None:
-        self.port = free_port()
-        self.data = data
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        assert REDIS_SERVER is not None
-        self.proc = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.data),
-             "--protected-mode", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while not self._answers():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start on port {self.port}")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
-            self.proc = None
-
-    def _answers(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
+        super().__init__(data=data)
 
 
 def spec(job_id: str, *, kind: str = "queued", tenant: str | None = "t1",

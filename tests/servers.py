@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import socket
 import subprocess
 import time
@@ -18,7 +19,7 @@ import uvicorn
 
 from engines.local.launcher import free_port
 
-__all__ = ["free_port", "running_process", "serve_asgi", "wait_ready"]
+__all__ = ["REDIS_SERVER", "RedisServer", "free_port", "running_process", "serve_asgi", "wait_ready"]
 
 
 @contextlib.asynccontextmanager
@@ -90,3 +91,49 @@ def running_process(args: list[str], ready_url: str, *, log: Path | None = None,
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+REDIS_SERVER = shutil.which("redis-server")
+
+
+class RedisServer:
+    """A throwaway redis-server on loopback. With ``data`` it persists (``appendonly yes``,
+    ``appendfsync always`` in that folder), so ``stop()`` then ``start()`` comes back with the
+    same data on the same port, as a production Redis must; without, nothing is kept."""
+
+    def __init__(self, port: int | None = None, data: Path | None = None) -> None:
+        self.port = free_port() if port is None else port
+        self.data = data
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        assert REDIS_SERVER is not None
+        persistence = ["--appendonly", "no"] if self.data is None else [
+            "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.data)]
+        self.proc = subprocess.Popen(
+            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             *persistence, "--protected-mode", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while not self._answers():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start on port {self.port}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    def _answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False

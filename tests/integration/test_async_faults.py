@@ -25,11 +25,11 @@ from asyncq.api import JobState
 from engines.sim.faults import FaultSpec
 from middleware.app import KvgateApp, create_app
 from middleware.config import parse_config
-from tests.asyncq_helpers import REDIS_SERVER, PersistentRedis, until
+from tests.asyncq_helpers import PersistentRedis, until
 from tests.integration.billing_helpers import PRICES_YAML, write_keys
 from tests.integration.conftest import DEFAULT_PROFILE, FAST_POOL, gateway_config, sim_fleet
 from tests.integration.test_async_queue import CHAT, Q, queue_of
-from tests.servers import free_port, running_process
+from tests.servers import REDIS_SERVER, free_port, running_process
 
 KVGATE = str(Path(sys.executable).with_name("kvgate"))
 JOBS = 120

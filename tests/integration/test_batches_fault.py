@@ -28,10 +28,10 @@ import openai
 import pytest
 import yaml
 
-from tests.asyncq_helpers import REDIS_SERVER, PersistentRedis
+from tests.asyncq_helpers import PersistentRedis
 from tests.integration.billing_helpers import PRICES_YAML, write_keys
 from tests.integration.conftest import DEFAULT_PROFILE, FAST_POOL
-from tests.servers import free_port, running_process
+from tests.servers import REDIS_SERVER, free_port, running_process
 
 KVGATE = str(Path(sys.executable).with_name("kvgate"))
 REQUESTS = 500

@@ -12,7 +12,8 @@ import pytest
 from asyncq.api import JobResult, JobState, JobStore
 from asyncq.store_redis import RedisJobStore
 from asyncq.store_sqlite import SqliteJobStore
-from tests.asyncq_helpers import REDIS_SERVER, PersistentRedis, spec
+from tests.asyncq_helpers import PersistentRedis, spec
+from tests.servers import REDIS_SERVER
 
 NOW = 1000.0
 OK = JobResult(200, b'{"ok": true}', "application/json", "sim-0", NOW + 1)

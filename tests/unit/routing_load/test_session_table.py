@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
-import socket
-import subprocess
-import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
 from middleware.types import CycleState, Endpoint, RoutingDecision
 from plugins.session_affinity import SessionAffinityScorer, hrw_order, session_key
-from tests.servers import free_port
+from tests.servers import REDIS_SERVER, RedisServer, free_port
 from tests.unit.routing_load.helpers import FakeClock, ep, fleet, req, session_scorer
 
 #: Bound on one Redis call against the live test server: generous, because CI machines are
@@ -27,51 +23,11 @@ from tests.unit.routing_load.helpers import FakeClock, ep, fleet, req, session_s
 LIVE_TIMEOUT_S = 2.0
 
 pytest.importorskip("redis", reason="the 'redis' package is not installed (kvgate[redis])")
-REDIS_SERVER = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(
     REDIS_SERVER is None, reason="redis-server not installed (apt-get install -y redis-server)"
 )
 
 SES = "ses_table_test"
-
-
-class RedisServer:
-    """One throwaway redis-server on loopback, no persistence."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        assert REDIS_SERVER is not None
-        self.proc = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--protected-mode", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while not self._answers():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start on port {self.port}")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
-            self.proc = None
-
-    def _answers(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
 
 
 @pytest.fixture
