@@ -438,32 +438,6 @@ def _kill_mid_stream(url: str, keys: Keys, path: str, body: dict[str, Any],
     return "\n".join(head + tail)
 
 
-def test_engine_dies_mid_stream_then_none_healthy(
-        gateway: tuple[str, Path, Keys], agent_fleet: list[LocalEngine]) -> None:
-    url, _, keys = gateway
-    text = _kill_mid_stream(url, keys, "/v1/messages", {
-        "model": SERVED_NAME, "max_tokens": 3000, "stream": True, "temperature": 0,
-        "messages": [{"role": "user", "content": _code(7, 4)}]}, agent_fleet)
-    error = json.loads(text.split("event: error\ndata: ")[1].splitlines()[0])
-    assert error["type"] == "error" and error["error"]["type"]
-    text = _kill_mid_stream(url, keys, "/v1/responses", {
-        "model": SERVED_NAME, "max_output_tokens": 3000, "stream": True, "temperature": 0,
-        "input": _code(8, 4)}, agent_fleet)
-    error = json.loads(text.split("event: error\ndata: ")[1].splitlines()[0])
-    assert error["type"] == "error" and error["message"]
-    deadline = time.monotonic() + 30
-    while True:  # both engines gone: once health notices, each API answers in its shape
-        msgs = httpx.post(url + "/v1/messages", headers=keys.auth("user"), timeout=30, json={
-            "model": SERVED_NAME, "max_tokens": 3, "messages": [{"role": "user", "content": "x"}]})
-        if msgs.status_code == 503 or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    _anthropic_shape(msgs, 503)
-    resp = httpx.post(url + "/v1/responses", headers=keys.auth("user"), timeout=30,
-                      json={"model": SERVED_NAME, "input": "x"})
-    _openai_shape(resp, 503)
-
-
 def _job_records(tmp: Path, ids: list[str]) -> dict[str, LedgerRecord]:
     """Ledger rows of deferred jobs by request id (= job id), waiting for the writer."""
     deadline = time.monotonic() + 10
@@ -519,3 +493,30 @@ def test_background_response_and_queued_request_through_the_default_preset(
         "background", "queued")
     assert all(r.status == 200 and r.tenant == "globex" for r in records.values())
     assert follow.headers["x-kvgate-engine"] == records[created.id].engine
+
+
+# Kills both engines of the module fixture: keep it the module's last test.
+def test_engine_dies_mid_stream_then_none_healthy(
+        gateway: tuple[str, Path, Keys], agent_fleet: list[LocalEngine]) -> None:
+    url, _, keys = gateway
+    text = _kill_mid_stream(url, keys, "/v1/messages", {
+        "model": SERVED_NAME, "max_tokens": 3000, "stream": True, "temperature": 0,
+        "messages": [{"role": "user", "content": _code(7, 4)}]}, agent_fleet)
+    error = json.loads(text.split("event: error\ndata: ")[1].splitlines()[0])
+    assert error["type"] == "error" and error["error"]["type"]
+    text = _kill_mid_stream(url, keys, "/v1/responses", {
+        "model": SERVED_NAME, "max_output_tokens": 3000, "stream": True, "temperature": 0,
+        "input": _code(8, 4)}, agent_fleet)
+    error = json.loads(text.split("event: error\ndata: ")[1].splitlines()[0])
+    assert error["type"] == "error" and error["message"]
+    deadline = time.monotonic() + 30
+    while True:  # both engines gone: once health notices, each API answers in its shape
+        msgs = httpx.post(url + "/v1/messages", headers=keys.auth("user"), timeout=30, json={
+            "model": SERVED_NAME, "max_tokens": 3, "messages": [{"role": "user", "content": "x"}]})
+        if msgs.status_code == 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    _anthropic_shape(msgs, 503)
+    resp = httpx.post(url + "/v1/responses", headers=keys.auth("user"), timeout=30,
+                      json={"model": SERVED_NAME, "input": "x"})
+    _openai_shape(resp, 503)
