@@ -50,6 +50,7 @@ from asyncq.batch_lines import (
 )
 from asyncq.files import FileStore, iter_lines
 from asyncq.mgmt_db import Db
+from asyncq.tasks import cancel
 from asyncq.webhooks import Webhooks
 from middleware.errors import BadRequest, HTTPError, NotFound
 
@@ -472,11 +473,8 @@ class BatchManager:
             self._task = asyncio.create_task(self._loop(), name="kvgate-batches")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel(task)
 
     async def _loop(self) -> None:
         next_sweep = 0.0

@@ -42,6 +42,7 @@ from asyncq.api import Job, JobListener, JobResult, JobState, JobStore, QueueUna
 from asyncq.headroom import HeadroomParams, gate
 from asyncq.metrics import QueueMetrics
 from asyncq.ordering import order_window
+from asyncq.tasks import cancel
 from middleware.errors import HTTPError
 from middleware.loopback import Loopback, LoopbackResponse
 
@@ -115,11 +116,8 @@ class Runner:
 
     async def stop(self) -> None:
         """Stop pulling; jobs in flight are cancelled and, with the window, given back."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel(task)
         held = [*self.window, *self._running_jobs]  # before the tasks' cleanup forgets them
         tasks = list(self.active.values())
         for task in tasks:

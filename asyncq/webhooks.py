@@ -48,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from asyncq.api import Job, JobState
 from asyncq.mgmt_db import Db
+from asyncq.tasks import cancel
 
 log = logging.getLogger("kvgate.asyncq.webhooks")
 
@@ -195,11 +196,8 @@ class Webhooks:
             self._task = asyncio.create_task(self._loop(), name="kvgate-webhooks")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel(task)
         if self._session is not None:
             await self._session.close()
             self._session = None
