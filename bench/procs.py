@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -13,19 +12,13 @@ import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
+from engines.ports import free_port as free_port  # re-exported: callers use procs.free_port()
+
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class StartError(RuntimeError):
     """A process under test did not come up."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def pin_self(cpu: int) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import httpx
 import uvicorn
 
-from engines.local.launcher import free_port
+from engines.ports import free_port
 
 __all__ = ["REDIS_SERVER", "RedisServer", "free_port", "running_process", "serve_asgi", "wait_ready"]
 

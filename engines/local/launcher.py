@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -32,6 +31,7 @@ from typing import Literal
 
 from engines.local.model import SERVED_NAME
 from engines.local.paths import engine_python, kvgate_home
+from engines.ports import free_port as free_port  # re-exported: callers use launcher.free_port()
 
 #: Cold start measured at 30-60 s on this 2-core machine; allow for a loaded CI machine.
 HEALTH_TIMEOUT_S = 300.0
@@ -39,12 +39,6 @@ HEALTH_TIMEOUT_S = 300.0
 #: K and V per token), room for a few 4k-token prompts; vLLM's own default would be ~10 GiB.
 DEFAULT_KV_CACHE_BYTES = 64 << 20
 PdRole = Literal["prefill", "decode"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines.local.launcher import free_port
 from engines.local.paths import base_python, kvgate_home
+from engines.ports import free_port
 from middleware.errors import KvgateError
 
 REQUIREMENT = "mooncake-transfer-engine-non-cuda==0.3.13.post1"

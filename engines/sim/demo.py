@@ -8,12 +8,12 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import socket
 import sys
 
 import uvicorn
 import uvloop
 
+from engines.ports import free_port
 from engines.sim.config import KvEventsConfig, SimConfig
 from engines.sim.testing import serve_sim
 from middleware.app import create_app
@@ -55,12 +55,6 @@ def _banner(url: str, engines: list[str]) -> str:
         f"-d '{body}'\n  curl -s {url}/metrics | grep kvgate_\n"
         "Ctrl-C stops it."
     )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def cache_aware_config(

@@ -16,8 +16,9 @@ import pytest
 import yaml
 
 from engines.local.fleet import start_fleet
-from engines.local.launcher import LocalEngine, free_port, stop
+from engines.local.launcher import LocalEngine, stop
 from engines.local.model import ensure_model
+from engines.ports import free_port
 
 KVGATE = str(Path(sys.executable).with_name("kvgate"))
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from engines.local.launcher import free_port
 from engines.local.venv import ensure_engine_venv
+from engines.ports import free_port
 from middleware.types import Endpoint
 from plugins.kv_events import KvEventsSubscriber
 from tests.unit.routing.helpers import NoLookup, frames, stored

@@ -29,8 +29,8 @@ from typing import Any
 import pytest
 import yaml
 
-from engines.local.launcher import free_port
 from engines.local.mooncake import MasterAddress, ensure_mooncake_venv, running_master, stop_process
+from engines.ports import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from engines.sim.demo import cache_aware_config, free_port, sim_config
+from engines.ports import free_port
+from engines.sim.demo import cache_aware_config, sim_config
 from engines.sim.testing import serve_sim
 from middleware.app import create_app
 from middleware.config import GatewayConfig

@@ -13,7 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from engines.sim.demo import cache_aware_config, free_port, sim_config
+from engines.ports import free_port
+from engines.sim.demo import cache_aware_config, sim_config
 from engines.sim.testing import RunningSim, serve_sim
 from middleware.app import KvgateApp, create_app
 from middleware.config import PluginConfig

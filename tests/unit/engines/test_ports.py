@@ -1,0 +1,24 @@
+"""free_port: below the kernel's ephemeral range, bindable, never handed out twice."""
+
+from __future__ import annotations
+
+import socket
+
+from engines import ports
+
+
+def test_ports_are_below_the_ephemeral_range_distinct_and_bindable() -> None:
+    low = ports._ephemeral_low()
+    picked = [ports.free_port() for _ in range(50)]
+    assert len(set(picked)) == len(picked)
+    for port in picked:
+        assert ports.LOW_PORT <= port < low
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+def test_a_port_in_use_is_not_bindable() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        taken = busy.getsockname()[1]
+        assert not ports._bindable("127.0.0.1", taken)
