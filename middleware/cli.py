@@ -9,7 +9,13 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from middleware.config import PD_CONNECTORS, GatewayConfig, load_config, with_billing
+from middleware.config import (
+    PD_CONNECTORS,
+    GatewayConfig,
+    load_config,
+    with_billing,
+    with_shared_state,
+)
 from middleware.errors import ConfigError
 from middleware.quickstart import QuickStart, quick_start_config
 from middleware.registry import command_registrars
@@ -79,6 +85,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         )
         config = config.model_copy(update={"server": server})
     config = with_billing(config, prices=args.prices, ledger=args.ledger, keys=args.keys)
+    config = with_shared_state(config, args.redis)
     return serve_config(config)
 
 
@@ -113,6 +120,9 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    "or postgresql://...")
     p.add_argument("--keys", metavar="FILE",
                    help="API keys file (kvgate keys create); without it auth is off")
+    p.add_argument("--redis", metavar="URL",
+                   help="redis://HOST:PORT/DB: state shared between gateway replicas (budgets, "
+                   "quotas, keys, session pins; docs/operations.md); default: per process")
     p.set_defaults(func=_cmd_serve)
 
 

@@ -128,6 +128,18 @@ class DisaggregationConfig(BaseModel):
     settle_timeout_s: float = Field(1.0, ge=0)
 
 
+class SharedStateConfig(BaseModel):
+    """State that several gateway replicas (or ``--workers``) must agree on (docs/operations.md).
+
+    ``redis_url`` is the default of every plugin parameter named ``redis_url`` that the config
+    leaves unset: one key turns sharing on for every plugin able to share. It may embed a
+    password and is never logged.
+    """
+
+    model_config = _STRICT
+    redis_url: str = Field(pattern=r"^rediss?://")
+
+
 class GatewayConfig(BaseModel):
     """The whole gateway configuration."""
 
@@ -145,6 +157,9 @@ class GatewayConfig(BaseModel):
     #: Options of client API adapters by adapter name (``kvgate.apis`` entry point), each
     #: validated at startup against that adapter's ``Params`` model (middleware/registry.py).
     apis: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    #: Shared state between replicas (``kvgate serve --redis URL``); ``None``: each process
+    #: keeps its own (one replica).
+    shared_state: SharedStateConfig | None = None
     #: Where this config came from (for error messages); not a YAML key.
     source: str = Field("<config>", exclude=True)
 
@@ -225,6 +240,22 @@ def with_billing(
             params.update({"file": keys, "disabled": False})
     data["plugins"] = [*added, *plugins]
     return parse_config(data, config.source)
+
+
+def with_shared_state(config: GatewayConfig, redis_url: str | None) -> GatewayConfig:
+    """``config`` with ``kvgate serve --redis URL`` applied (the flag wins over the file)."""
+    if redis_url is None:
+        return config
+    data = config.model_dump(exclude={"source"})
+    data["shared_state"] = {"redis_url": redis_url}
+    return parse_config(data, config.source)
+
+
+def plugin_param_defaults(config: GatewayConfig) -> dict[str, Any]:
+    """Top-level settings that become defaults of plugin params of the same name."""
+    if config.shared_state is None:
+        return {}
+    return {"redis_url": config.shared_state.redis_url}
 
 
 #: ``kvgate serve --pd-protocol`` values -> ``kvgate.connectors`` names.

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from middleware.backend import Backend
-from middleware.config import GatewayConfig, PluginConfig, ProfileConfig
+from middleware.config import GatewayConfig, PluginConfig, ProfileConfig, plugin_param_defaults
 from middleware.connector import Connector
 from middleware.engine import EngineAdapter
 from middleware.errors import ConfigError
@@ -97,7 +98,8 @@ class _Lookup:
 
 
 def _instantiate(
-    source: str, idx: int, pc: PluginConfig, registry: Registry, built: dict[str, Plugin]
+    source: str, idx: int, pc: PluginConfig, registry: Registry, built: dict[str, Plugin],
+    defaults: Mapping[str, Any],
 ) -> Plugin:
     where = f"{source}: plugins[{idx}] (name {pc.instance_name!r}, type {pc.type!r})"
     cls = registry.plugin_class(pc.type)
@@ -107,7 +109,9 @@ def _instantiate(
     if pc.instance_name in built:
         raise ConfigError(f"{where}: duplicate plugin name {pc.instance_name!r}")
     try:
-        params: BaseModel = cls.Params.model_validate(pc.params)
+        fields = cls.Params.model_fields
+        inherited = {k: v for k, v in defaults.items() if k in fields and k not in pc.params}
+        params: BaseModel = cls.Params.model_validate({**inherited, **pc.params})
     except ValidationError as exc:
         detail = "; ".join(
             f"{'.'.join(str(p) for p in err['loc']) or 'params'}: {err['msg']}"
@@ -313,8 +317,9 @@ def build_pipeline(config: GatewayConfig, registry: Registry) -> Pipeline:
     source = config.source
     adapters = _adapters(config, registry)
     built: dict[str, Plugin] = {}
+    defaults = plugin_param_defaults(config)
     for idx, pc in enumerate(config.plugins):
-        built[pc.instance_name] = _instantiate(source, idx, pc, registry, built)
+        built[pc.instance_name] = _instantiate(source, idx, pc, registry, built, defaults)
     if not config.profiles:
         raise ConfigError(f"{source}: at least one profile is required")
     profiles: dict[str, Profile] = {}

@@ -155,3 +155,28 @@ def test_quick_start_config() -> None:
     assert [e.url for e in config.engines] == ["http://a:1", "http://b:2"]
     assert (config.server.host, config.server.port) == ("0.0.0.0", 9)
     assert [p.name for p in config.profiles] == ["default"]
+
+
+def test_shared_state_redis_url_is_the_default_of_plugins_redis_url_params() -> None:
+    from middleware.config import with_shared_state
+    from middleware.registry import Registry
+    from plugins.session_affinity import SessionAffinityScorer as SessionAffinity
+
+    reg = registry(VllmAdapter)
+    reg = Registry(plugins={**reg.plugins, SessionAffinity.type_name: SessionAffinity},
+                   engines=reg.engines)
+    plugins = [*GOOD["plugins"], {"type": "session-affinity-scorer"},
+               {"type": "session-affinity-scorer", "name": "own",
+                "params": {"redis_url": "redis://other:6379/1"}}]
+    config = with_shared_state(parse_config(_with(plugins=plugins), "g.yaml"),
+                               "redis://shared:6379/0")
+    assert config.shared_state is not None
+    built = build_pipeline(config, reg).plugins
+    urls = {name: built[name].p.redis_url.get_secret_value()  # type: ignore[attr-defined]
+            for name in ("session-affinity-scorer", "own")}
+    assert urls == {"session-affinity-scorer": "redis://shared:6379/0", "own": "redis://other:6379/1"}
+    # without shared state nothing is injected; a malformed URL is a config error
+    plain = build_pipeline(parse_config(_with(plugins=plugins[:-1]), "g.yaml"), reg).plugins
+    assert plain["session-affinity-scorer"].p.redis_url is None  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match="shared_state"):
+        parse_config(_with(shared_state={"redis_url": "http://x"}), "g.yaml")
