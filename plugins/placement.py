@@ -46,7 +46,8 @@ expected output, whose full blocks the engine caches too).
 
 Inputs: ``PREFIX_MATCH`` (precise or approximate; optional: without it every engine misses
 everything and only pressure, queue and pin decide), ``TOKEN_IDS`` (prompt size),
-``SESSION_KEY`` (optional), each engine's capacity from its ``/metrics``
+``SESSION_KEY`` (optional; the pin is ``SESSION_PIN``, the shared session table's engine, when
+the session-affinity scorer has one from Redis, else this process's own), each engine's capacity from its ``/metrics``
 (``EngineMetrics.extra["kv_capacity_tokens"]``, vLLM's ``vllm:cache_config_info``) or the
 params, the token-load scorer's in-flight work (optional). Bounded state: one pressure entry
 per engine (dropped with it) and at most ``max_sessions`` session pins (least recently used
@@ -83,7 +84,7 @@ from middleware.types import (
     RoutingDecision,
     StateKey,
 )
-from plugins.state import PREFIX_MATCH, SESSION_KEY, PrefixMatch
+from plugins.state import PREFIX_MATCH, SESSION_KEY, SESSION_PIN, PrefixMatch
 from plugins.token_load import (
     TokenLoadScorer,
     expected_output_tokens,
@@ -254,7 +255,7 @@ class KvPlacementScorer(Plugin, Scorer, DispatchHook, EndpointSetListener, Metri
         held = {ep.id: min(float(prompt), self.held(match, ep.id)) for ep in eps}
         pressure = {ep.id: self.pressure(ep) + self.p.pressure_floor for ep in eps}
         slowest = min(pressure.values())
-        pinned = self._pin_of(state.get(SESSION_KEY))
+        pinned = state.get(SESSION_PIN) or self._pin_of(state.get(SESSION_KEY))
         costs: dict[EndpointId, float] = {}
         for ep in eps:
             turnover = (pressure[ep.id] / slowest) ** self.p.pressure_exponent

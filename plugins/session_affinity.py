@@ -35,18 +35,22 @@ import logging
 import math
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.util import find_spec
 from typing import ClassVar, Protocol
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from middleware.errors import BadRequest, ConfigError
 from middleware.plugin import (
     DataProducer,
     DispatchHook,
+    HealthSource,
     Lifecycle,
+    MetricsSource,
     Plugin,
     PluginLookup,
     RequestHook,
@@ -62,7 +66,7 @@ from middleware.types import (
     StateKey,
     add_response_header,
 )
-from plugins.state import SESSION_KEY
+from plugins.state import SESSION_KEY, SESSION_PIN
 
 log = logging.getLogger("kvgate.plugins.session_affinity")
 
@@ -301,13 +305,20 @@ class SessionTable:
 
     def _succeeded(self) -> None:
         if self._breaker.succeeded():
-            log.info("session table reachable again")
+            log.warning("session table reachable again")
+
+    @property
+    def down(self) -> bool:
+        return self._breaker.down
 
 
 # -- the plugin --------------------------------------------------------------------------------
 
 
-class SessionAffinityScorer(Plugin, RequestHook, DataProducer, Scorer, DispatchHook, Lifecycle):
+class SessionAffinityScorer(
+    Plugin, RequestHook, DataProducer, Scorer, DispatchHook, Lifecycle, HealthSource,
+    MetricsSource,
+):
     """Soft, replica-consistent session affinity (see the module docstring for the algorithm).
 
     Params (units in brackets):
@@ -334,7 +345,8 @@ class SessionAffinityScorer(Plugin, RequestHook, DataProducer, Scorer, DispatchH
     """
 
     type_name = "session-affinity-scorer"
-    produces: ClassVar[frozenset[str]] = frozenset({SESSION_KEY.name, RESPONSE_HEADERS.name})
+    produces: ClassVar[frozenset[str]] = frozenset(
+        {SESSION_KEY.name, SESSION_PIN.name, RESPONSE_HEADERS.name})
     example_params: ClassVar[Mapping[str, object]] = {
         "headers": ["x-session-affinity", "x-session-id"],
         "load_factor": 1.25,
@@ -415,6 +427,7 @@ class SessionAffinityScorer(Plugin, RequestHook, DataProducer, Scorer, DispatchH
         pinned = await self.table.get(info.key)
         if pinned is not None:
             state.put(self._pinned, pinned)
+            state.put(SESSION_PIN, pinned)
 
     # Scorer
     def score(
@@ -457,6 +470,36 @@ class SessionAffinityScorer(Plugin, RequestHook, DataProducer, Scorer, DispatchH
         table, self.table = self.table, None
         if table is not None:
             await table.close()
+
+    # HealthSource, MetricsSource
+    def health(self) -> Mapping[str, object]:
+        if self.table is None:
+            return {}
+        return {"session_table": "degraded: Redis unavailable, rendezvous hashing and "
+                "per-replica pins" if self.table.down else "ok"}
+
+    def collector(self) -> Collector:
+        return _SessionCollector(self)
+
+
+class _SessionCollector(Collector):
+    def __init__(self, scorer: SessionAffinityScorer) -> None:
+        self._s = scorer
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        st = self._s.stats
+        table = CounterMetricFamily("kvgate_session_table_calls",
+                                    "Shared session table (Redis) calls by outcome",
+                                    labels=["outcome"])
+        for outcome in ("hits", "misses", "errors", "skipped", "writes"):
+            table.add_metric([outcome], getattr(st, f"table_{outcome}"))
+        yield table
+        yield CounterMetricFamily("kvgate_session_rejected", "Invalid session header values",
+                                  value=st.rejected)
+        down = self._s.table is not None and self._s.table.down
+        yield GaugeMetricFamily("kvgate_session_table_down",
+                                "1 while the shared session table (Redis) is unavailable",
+                                value=int(down))
 
 
 def _connect(url: str, timeout_s: float) -> RedisLike:

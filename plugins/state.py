@@ -44,3 +44,7 @@ PREFIX_MATCH: StateKey[PrefixMatch] = StateKey("prefix-match")
 
 #: The session key of the request (tenant, model, session header value), when it has one.
 SESSION_KEY: StateKey[str] = StateKey("session-key")
+
+#: The engine the session's last request went to, on any replica (the shared session table in
+#: Redis, read by the session-affinity scorer with ``redis_url``). Absent: no shared pin known.
+SESSION_PIN: StateKey[EndpointId] = StateKey("session-pin")
