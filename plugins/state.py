@@ -48,3 +48,10 @@ SESSION_KEY: StateKey[str] = StateKey("session-key")
 #: The engine the session's last request went to, on any replica (the shared session table in
 #: Redis, read by the session-affinity scorer with ``redis_url``). Absent: no shared pin known.
 SESSION_PIN: StateKey[EndpointId] = StateKey("session-pin")
+
+#: The ``cache_salt`` the gateway put in the engine body (derived from the tenant, or from its
+#: opt-in sharing group; plugins/cache_salt.py): the request's cache-isolation scope. Produced
+#: by the ``cache-salt`` request hook, so it is known before any data producer hashes the
+#: prompt; the prefix-cache producer keys its own record by it instead of by tenant. Absent:
+#: no salt was injected (no authentication, or an API the engine takes no salt on).
+CACHE_SALT: StateKey[str] = StateKey("cache-salt")
