@@ -146,6 +146,22 @@ class Billing(Plugin, RequestHook, UsageHook, CompletionHook, Lifecycle, RoutePr
         self.tokens: dict[tuple[str, str, str], int] = {}
         self.money: dict[tuple[str, str], Decimal] = {}
 
+    # -- price reload (plugins/reload.py: api-keys' ``reload`` drives it) ----------------
+    def watched(self) -> Sequence[Path]:
+        return (Path(self.p.prices),)
+
+    def load_new(self) -> object:
+        """The price book re-read (ConfigError: bad file; the current book stays)."""
+        try:
+            return load_book(self.p.prices)
+        except PriceError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def commit(self, new: object) -> str:
+        assert isinstance(new, PriceBook)
+        self.book = new
+        return f"{len(new.models)} models priced"
+
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
         url = self.p.ledger
