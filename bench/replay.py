@@ -130,7 +130,7 @@ def run_system(
     tuning = DefaultTuning(args.weights, args.guard)
     with system_running(spec, fleet, logs, args.venv_root, tuning) as sut:
         outcomes = asyncio.run(replay(
-            sut.base_url, jobs, bodies.__getitem__, args.concurrency, label=label,
+            sut.base_urls or sut.base_url, jobs, bodies.__getitem__, args.concurrency, label=label,
             progress=not args.no_progress))
         time.sleep(0.2)  # let the engines' last counters settle
         counters = {f"e{i}": engine_counters(u) for i, u in enumerate(sut.engine_urls)}

@@ -103,19 +103,22 @@ async def send_one(
 
 
 async def replay(
-    base_url: str, jobs: Sequence[Job], body_for: BodyFor, concurrency: int,
+    base_url: str | Sequence[str], jobs: Sequence[Job], body_for: BodyFor, concurrency: int,
     timeout_s: float = 600.0, label: str = "", progress: bool = True,
 ) -> list[Outcome]:
-    """Send ``jobs`` to ``base_url``/v1/completions on their schedule; one outcome per job."""
+    """Send ``jobs`` to ``base_url``/v1/completions on their schedule; one outcome per job.
+    Several base URLs (gateway replicas): job *i* goes to the *i mod N*-th (round robin)."""
     outcomes = [Outcome(job.index) for job in jobs]
     slots = asyncio.Semaphore(concurrency)
     bar = tqdm(total=len(jobs), desc=label, unit="req", disable=not progress, leave=True)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
-    url = base_url + "/v1/completions"
+    bases = [base_url] if isinstance(base_url, str) else list(base_url)
+    urls = [b + "/v1/completions" for b in bases]
 
     async def run(job: Job, out: Outcome) -> None:
         try:
+            url = urls[job.index % len(urls)]
             await send_one(client, url, job, body_for(job.index), out)
         finally:
             slots.release()

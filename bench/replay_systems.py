@@ -50,6 +50,9 @@ class SystemSpec:
     name: str
     kind: str
     policy: str
+    #: kvgate replicas sharing state through Redis (policy ``quickstart-connect``: engines bind
+    #: their KV-event sockets, every replica connects; bench/replicas.py)
+    replicas: int = 1
 
     @property
     def text_prompt(self) -> bool:
@@ -60,7 +63,12 @@ class SystemSpec:
     @property
     def uses_events(self) -> bool:
         return self.kind == "kvgate" and self.policy in {
-            "prefix", "v1-default", "v1-default-noguard", "quickstart"}
+            "prefix", "v1-default", "v1-default-noguard", "quickstart", "quickstart-connect"}
+
+    @property
+    def engines_bind(self) -> bool:
+        """Each engine binds its own KV-event socket and the gateways connect to it."""
+        return self.policy == "quickstart-connect"
 
     @property
     def quick_start(self) -> bool:
@@ -77,6 +85,9 @@ SYSTEMS: Mapping[str, SystemSpec] = {s.name: s for s in (
     # precise from the engines' KV events) and without events (approximate: its own record)
     SystemSpec("kvgate-default", "kvgate", "quickstart"),
     SystemSpec("kvgate-default-approx", "kvgate", "quickstart-approx"),
+    # the default behind a round-robin load balancer: 1 or 3 replicas sharing one Redis
+    SystemSpec("kvgate-default-1r", "kvgate", "quickstart-connect"),
+    SystemSpec("kvgate-default-3r", "kvgate", "quickstart-connect", replicas=3),
     # the first tranche's documented profile (prefix 3 / load 2 / session 1 + imbalance filter)
     # and the same without its token-imbalance-filter
     SystemSpec("kvgate-v1-default", "kvgate", "v1-default"),
@@ -156,7 +167,7 @@ def kvgate_config(
     }
 
 
-def sim_argv(i: int, port: int, fleet: FleetSpec, events: str | None) -> list[str]:
+def sim_argv(i: int, port: int, fleet: FleetSpec, events: str | list[str] | None) -> list[str]:
     """Command line of engine ``e<i>``."""
     argv = [sys.executable, "-m", "engines.sim", "--port", str(port),
             "--engine-id", f"engine-{i}",
@@ -164,6 +175,8 @@ def sim_argv(i: int, port: int, fleet: FleetSpec, events: str | None) -> list[st
             "--capacity-blocks", str(fleet.capacity_blocks),
             "--max-model-len", str(fleet.max_model_len), "--time-scale", str(fleet.time_scale),
             "--seed", str(i)]
+    if isinstance(events, list):
+        events = events[i]
     return argv + (["--kv-events", events] if events else [])
 
 
@@ -185,10 +198,14 @@ class Running:
 
     base_url: str
     engine_urls: list[str]
+    #: every replica's base URL (the first is ``base_url``)
+    base_urls: tuple[str, ...] = ()
 
 
 @contextlib.contextmanager
-def fleet_running(fleet: FleetSpec, events: str | None, logs: Path) -> Iterator[list[str]]:
+def fleet_running(
+    fleet: FleetSpec, events: str | list[str] | None, logs: Path
+) -> Iterator[list[str]]:
     """Start the engines; yield their URLs once all are healthy; stop them on exit."""
     with contextlib.ExitStack() as stack:
         urls: list[str] = []
@@ -210,6 +227,9 @@ def system_running(
     tuning: DefaultTuning | None = None,
 ) -> Iterator[Running]:
     """A fresh fleet and ``spec`` in front of it."""
+    if spec.engines_bind:
+        yield from _replicas_system(spec, fleet, logs)
+        return
     events = f"tcp://127.0.0.1:{procs.free_port()}" if spec.uses_events else None
     with fleet_running(fleet, events, logs) as urls:
         port = procs.free_port()
@@ -232,6 +252,16 @@ def system_running(
             if spec.kind == "kvgate":
                 procs.wait_healthy(base + "/v1/models", proc, 120.0, log, MODEL.encode())
             yield Running(base, urls)
+
+
+def _replicas_system(spec: SystemSpec, fleet: FleetSpec, logs: Path) -> Iterator[Running]:
+    """Engines binding ``tcp://*:PORT`` each, ``spec.replicas`` gateways connecting to all."""
+    from bench.replicas import replicas_running
+
+    events = [f"tcp://*:{procs.free_port()}" for _ in range(fleet.engines)]
+    with fleet_running(fleet, events, logs) as urls, \
+            replicas_running(spec.replicas, urls, events, logs, MODEL) as bases:
+        yield Running(bases[0], urls, tuple(bases))
 
 
 def gateway_counters(url: str) -> dict[str, float]:

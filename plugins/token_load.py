@@ -322,7 +322,9 @@ class TokenLoadScorer(
       for 10 small Redis commands per second per replica).
     * ``share_ttl_s`` [s] — a replica's published load expires after this (1.0: five missed
       rounds; a dead replica's load stops counting within a second).
-    * ``redis_timeout_s`` [s] — bound on one exchange round (0.1: LAN round trips are < 1 ms).
+    * ``redis_timeout_s`` [s] — bound on one exchange round, two round trips (0.5: LAN round
+      trips are < 1 ms, but the bound also counts event-loop lag, which passed 0.1 s on a
+      saturated 2-core host; a timed-out round drops the other replicas' load).
     * ``max_replicas`` [replicas] — other replicas read per round (64).
     * ``key_prefix`` — Redis key prefix.
     """
@@ -345,7 +347,7 @@ class TokenLoadScorer(
         redis_url: SecretStr | None = None
         share_interval_s: float = Field(default=0.2, gt=0.0)
         share_ttl_s: float = Field(default=1.0, gt=0.0)
-        redis_timeout_s: float = Field(default=0.1, gt=0.0)
+        redis_timeout_s: float = Field(default=0.5, gt=0.0)
         max_replicas: int = Field(default=64, ge=1)
         key_prefix: str = Field(default="kvgate:load:", min_length=1)
 
