@@ -80,6 +80,8 @@ class ModuleBackend:
         pseudo = getattr(obj, "PSEUDO_TOKENS", None)
         #: Why these ids are not the engine's (a pseudo-tokenizer), or None.
         self.inexact: str | None = str(pseudo) if pseudo else None
+        #: False when the module says its work is cheaper than a thread hop (``INLINE = True``).
+        self.offload = not getattr(obj, "INLINE", False)
 
     def encode(self, text: str, add_special_tokens: bool) -> Sequence[int]:
         try:
@@ -447,7 +449,7 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
         self.stats.passthrough += passthrough
         if ids is None and (work := self._work(req)) is not None:
             try:
-                ids = await self._run(work, _text_size(req))
+                ids = await self._run(work, _text_size(req), self._offloads(req.model))
             except TokenizationError as exc:
                 self.stats.failures += 1
                 log.debug("request %s: not tokenized: %s", req.request_id, exc)
@@ -481,8 +483,13 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
         gen = prompt.add_generation_prompt
         return lambda: chat.tokenize(messages, gen, extra)
 
-    async def _run(self, work: Callable[[], Sequence[int]], size: int) -> Sequence[int]:
-        if self._pool is None or size < self.p.offload_min_chars:
+    def _offloads(self, model: str) -> bool:
+        chat = self.chat_tokenizer(model)
+        return chat is not None and getattr(chat.backend, "offload", True) is not False
+
+    async def _run(self, work: Callable[[], Sequence[int]], size: int,
+                   offload: bool = True) -> Sequence[int]:
+        if self._pool is None or not offload or size < self.p.offload_min_chars:
             return work()
         self.stats.offloaded += 1
         return await asyncio.get_running_loop().run_in_executor(self._pool, work)

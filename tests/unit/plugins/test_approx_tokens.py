@@ -95,3 +95,26 @@ async def test_pseudo_tokens_are_flagged_inexact_but_client_token_ids_are_not() 
         assert ids.get(TOKEN_IDS) == (1, 2, 3) and ids.get(TOKEN_IDS_INEXACT) is None
     finally:
         await plugin.stop()
+
+
+@pytest.mark.parametrize("text", ["", "a", "ab", "abc", "abcde", "é", "x" * 4097 + "€"])
+def test_a_partial_last_pseudo_token_is_zero_padded(text: str) -> None:
+    data = text.encode()
+    padded = data + b"\x00" * (-len(data) % 4)
+    expected = [int.from_bytes(padded[i:i + 4], "little") for i in range(0, len(padded), 4)]
+    assert list(approx_tokens.tokenize(text)) == expected
+
+
+async def test_large_bodies_are_tokenized_inline_not_on_the_pool() -> None:
+    plugin = make_plugin(Tokenizer, tokenizer={"kind": "module", "module": "approx"},
+                         offload_min_chars=16)
+    await plugin.start()
+    try:
+        state = CycleState()
+        request = req(body={"model": "m", "messages": [SYSTEM]})
+        request.raw_body = b"x" * 100_000
+        await plugin.prepare(request, state, [])
+        assert state.get(TOKEN_IDS) is not None
+        assert plugin.stats.tokenized == 1 and plugin.stats.offloaded == 0
+    finally:
+        await plugin.stop()
