@@ -61,6 +61,7 @@ from middleware.types import (
     StateKey,
     Usage,
 )
+from plugins import record_hash
 from plugins.kv_events import KvEventsSubscriber
 from plugins.kv_health import IndexHealth
 from plugins.kv_index import HashingError, KvIndex, chain_hashes, engine_of, request_extra_keys
@@ -227,15 +228,20 @@ class PrefixCacheProducer(Plugin, DataProducer, DispatchHook, UsageHook, Endpoin
         self, req: InferenceRequest, tokens: Sequence[int], sizes: frozenset[int],
         *, scoped: bool | None = None,
     ) -> Hashes:
-        """The prompt's own hashes for each block size in ``sizes``; ``scoped``: mix the tenant
-        into the first block (the gateway's record; default: not in precise mode)."""
+        """The prompt's own hashes for each block size in ``sizes``; ``scoped``: the gateway's
+        record (default: not in precise mode), keyed by :mod:`plugins.record_hash` (vectorised,
+        its own values) under a scope of LoRA adapter, cache salt and tenant; else the KV-event
+        index's hash (the engines' block layout, :mod:`plugins.kv_hashing`)."""
         lora = req.model if req.model in self.p.lora_adapters else None
         salt = req.body.get("cache_salt")
         salt = salt if isinstance(salt, str) and salt else None
         if scoped is None:
             scoped = not self.precise
-        if scoped and self.p.scope_by_tenant and req.tenant is not None:
-            salt = f"{salt or ''}\x00tenant:{req.tenant}"
+        if scoped:
+            tenant = req.tenant if self.p.scope_by_tenant else None
+            scope = record_hash.scope_of(lora, salt, tenant)
+            return {size: record_hash.chain(tokens, size, group_idx=self.p.group_idx, scope=scope)
+                    for size in sizes}
         out: Hashes = {}
         for size in sizes:
             extra = request_extra_keys(len(tokens) // size, lora, salt)
