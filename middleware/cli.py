@@ -8,12 +8,14 @@ import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from middleware.config import (
     PD_CONNECTORS,
     GatewayConfig,
     load_config,
     with_billing,
+    with_quotas,
     with_shared_state,
 )
 from middleware.errors import ConfigError
@@ -30,18 +32,28 @@ def configure_logging(level: str) -> None:
     )
 
 
-def serve_config(config: GatewayConfig) -> int:
-    """Run the gateway with uvicorn (uvloop + httptools, no access log) until interrupted."""
+def serve_config(config: GatewayConfig, workers: int = 1) -> int:
+    """Run the gateway with uvicorn (uvloop + httptools, no access log) until interrupted;
+    ``workers`` > 1: that many gateway processes on one listening socket (middleware/workers.py).
+    """
+    import os
+
     import uvicorn
 
     from middleware.app import create_app
+    from middleware.workers import CONFIG_ENV, check_workers, serialize
 
     configure_logging(config.server.log_level)
-    app = create_app(config)
+    check_workers(config, workers)
+    app: Any = create_app(config)  # with workers too: config errors surface here, once
+    if workers > 1:
+        app = "middleware.workers:worker_app"
+        os.environ[CONFIG_ENV] = serialize(config)  # inherited by the spawned workers only
     uvicorn.run(
-        app, host=config.server.host, port=config.server.port, loop="uvloop", http="httptools",
-        lifespan="on", access_log=False, log_level=config.server.log_level,
-        server_header=False, date_header=False, timeout_keep_alive=30,
+        app, factory=workers > 1, workers=workers, host=config.server.host,
+        port=config.server.port, loop="uvloop", http="httptools", lifespan="on",
+        access_log=False, log_level=config.server.log_level, server_header=False,
+        date_header=False, timeout_keep_alive=30,
     )
     return 0
 
@@ -85,8 +97,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         )
         config = config.model_copy(update={"server": server})
     config = with_billing(config, prices=args.prices, ledger=args.ledger, keys=args.keys)
+    config = with_quotas(config)
     config = with_shared_state(config, args.redis)
-    return serve_config(config)
+    if args.workers > 1 and args.kv_events_bind:
+        raise ConfigError("--kv-events-bind binds one address, which one process only can do: "
+                          "with --workers > 1 let the engines bind and give --kv-events ADDR "
+                          "per engine (every worker connects to each)")
+    return serve_config(config, args.workers)
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -123,7 +140,17 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--redis", metavar="URL",
                    help="redis://HOST:PORT/DB: state shared between gateway replicas (budgets, "
                    "quotas, keys, session pins; docs/operations.md); default: per process")
+    p.add_argument("--workers", type=_positive, default=1, metavar="N",
+                   help="gateway processes sharing the port (default 1); with N > 1 give --redis "
+                   "so that they route as one (docs/operations.md)")
     p.set_defaults(func=_cmd_serve)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

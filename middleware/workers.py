@@ -1,0 +1,72 @@
+"""``kvgate serve --workers N``: N gateway processes on one port, so one host uses its cores.
+
+uvicorn's supervisor binds the listening socket once and starts N worker processes (``spawn``)
+that accept on it; each worker is a whole gateway (its own pipeline, engine pool, plugins),
+built by :func:`worker_app` from the parent's validated config, handed over as JSON in the
+``KVGATE_WORKER_CONFIG`` environment variable (the child environment only: never logged).
+
+What several processes change (docs/operations.md, "Topology"):
+
+* Routing state (in-flight load, session pins) is per process unless ``shared_state`` /
+  ``--redis`` is set: without it the workers route apart, which :func:`check_workers` warns about.
+* A gateway-bound KV-event socket (a plugin param ``bind``: engines connect to the gateway)
+  can be bound by one process only: with workers, the engines must bind and every worker
+  connects (``--kv-events``); :func:`check_workers` refuses the config otherwise.
+* ``/metrics`` and ``/health`` answer for the worker that accepted the connection.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from middleware.config import GatewayConfig, parse_config
+from middleware.errors import ConfigError
+
+log = logging.getLogger("kvgate.workers")
+
+CONFIG_ENV = "KVGATE_WORKER_CONFIG"
+
+
+def check_workers(config: GatewayConfig, workers: int) -> None:
+    """Refuse what N processes cannot do; warn when they will route apart."""
+    if workers <= 1:
+        return
+    for plugin in config.plugins:
+        bind = plugin.params.get("bind")
+        if bind:
+            raise ConfigError(
+                f"plugin {plugin.instance_name!r} binds {bind!r}, which one process only can do: "
+                "with --workers > 1 let the engines bind their KV-event sockets and connect to "
+                "each (--kv-events ADDR per engine instead of --kv-events-bind)")
+    if config.shared_state is None:
+        log.warning(
+            "%d workers without shared state (--redis URL or shared_state.redis_url): each "
+            "worker routes on its own in-flight load and session pins, so routing drifts "
+            "apart under load", workers)
+
+
+def serialize(config: GatewayConfig) -> str:
+    """The config as the workers rebuild it (JSON; ``source`` kept for error messages)."""
+    return json.dumps({"source": config.source,
+                       "data": config.model_dump(mode="json", exclude={"source"})})
+
+
+def worker_config() -> GatewayConfig:
+    """The config the parent handed over (:func:`serialize`)."""
+    raw = os.environ.get(CONFIG_ENV)
+    if raw is None:
+        raise ConfigError(f"{CONFIG_ENV} is not set: workers are started by kvgate serve")
+    doc = json.loads(raw)
+    return parse_config(doc["data"], doc["source"])
+
+
+def worker_app() -> object:
+    """uvicorn factory of one worker: the gateway app of the handed-over config."""
+    from middleware.app import create_app
+    from middleware.cli import configure_logging
+
+    config = worker_config()
+    configure_logging(config.server.log_level)
+    return create_app(config)
