@@ -34,6 +34,13 @@ scheduling, and the plan is put in the request state for the gateway. Prices com
 price book (``prices`` param, the billing plugin's file); ``cached_tokens_discounted`` says
 whether the cached-input price is below the input price. State: the parsed file (bounded by
 it); nothing grows per request.
+
+Reload (plugins/reload.py): with ``api-keys``' ``reload: [<this plugin>]`` the catalog file and
+its price book are re-read when they change (polled about every second) or on
+``POST /v1/admin/reload`` (every replica). A new version is validated like at startup and
+checked against the same gateway config (engines, profiles, installed backends; a backend kind
+not started with the gateway needs a restart); a bad one is refused and the last good catalog
+keeps serving (WARNING, ``/health``, ``kvgate_config_reloads``).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -204,6 +212,67 @@ def allowed(principal: Principal | None) -> frozenset[str] | None:
     return models if isinstance(models, frozenset) else None
 
 
+@dataclass(frozen=True, slots=True)
+class _Loaded:
+    """One version of the catalog: swapped whole by ``Catalog.commit``."""
+
+    file: CatalogFile
+    names: dict[str, ModelEntry]
+    entries: dict[str, ModelEntry]
+    book: PriceBook | None
+    plans: dict[str, ModelPlan]
+    created: int
+
+
+def _load(path: Path, prices: str | None) -> _Loaded:
+    file = load_catalog(path)
+    names = _check_names(path, file)
+    entries = {e.name: e for e in file.models}
+    try:
+        book = None if prices is None else load_book(prices)
+    except PriceError as exc:
+        raise ConfigError(str(exc)) from None
+    plans = {e.name: ModelPlan(
+        (_step(e), *(_step(entries[f]) for f in e.fallbacks)), e.fallback_on)
+        for e in file.models}
+    try:
+        created = int(path.stat().st_mtime)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read catalog: {exc.strerror}") from None
+    return _Loaded(file, names, entries, book, plans, created)
+
+
+def _kinds(file: CatalogFile) -> frozenset[str]:
+    return frozenset(e.provider.backend for e in file.models if e.provider is not None)
+
+
+def _check(file: CatalogFile, path: Path, engines: Mapping[str, frozenset[str]],
+           profiles: frozenset[str], backends: frozenset[str]) -> None:
+    for i, entry in enumerate(file.models):
+        where = f"{path}: models[{i}] (name {entry.name!r})"
+        if entry.pool is not None:
+            _check_pool(where, entry.name, entry.pool, engines, profiles)
+        elif entry.provider is not None and entry.provider.backend not in backends:
+            known = ", ".join(sorted(backends)) or "none installed"
+            raise ConfigError(f"{where}: provider backend {entry.provider.backend!r} is "
+                              f"not installed (known: {known})")
+
+
+def _check_pool(where: str, model: str, pool: PoolSpec,
+                engines: Mapping[str, frozenset[str]], profiles: frozenset[str]) -> None:
+    for engine in pool.engines or ():
+        if engine not in engines:
+            raise ConfigError(f"{where}: pool engine {engine!r} is not in the gateway "
+                              f"config (engines: {', '.join(sorted(engines)) or 'none'})")
+        served = engines[engine]
+        if served and model not in served:
+            raise ConfigError(f"{where}: engine {engine!r} is configured to serve "
+                              f"{sorted(served)}, not {model!r}")
+    if pool.profile is not None and pool.profile not in profiles:
+        raise ConfigError(f"{where}: routing profile {pool.profile!r} is not in the "
+                          f"gateway config (profiles: {', '.join(sorted(profiles))})")
+
+
 class Catalog(Plugin, RequestHook, ModelCatalog):
     """See the module docstring and docs/catalog.md.
 
@@ -225,47 +294,44 @@ class Catalog(Plugin, RequestHook, ModelCatalog):
         super().__init__(name, params, plugins)
         assert isinstance(params, Catalog.Params)
         self.path = Path(params.file)
-        self.file = load_catalog(self.path)
-        self.names = _check_names(self.path, self.file)
-        self.entries = {e.name: e for e in self.file.models}
-        try:
-            self.book = None if params.prices is None else load_book(params.prices)
-        except PriceError as exc:
-            raise ConfigError(str(exc)) from None
-        self.plans = {e.name: ModelPlan(
-            (_step(e), *(_step(self.entries[f]) for f in e.fallbacks)), e.fallback_on)
-            for e in self.file.models}
-        self.created = int(self.path.stat().st_mtime)
+        self.prices = params.prices
+        #: What ``check`` was given (a reload is checked against the same config) and the
+        #: backend kinds started with the app (a reload may not need another).
+        self._checked: tuple[Mapping[str, frozenset[str]], frozenset[str],
+                             frozenset[str]] | None = None
+        self._started_kinds: frozenset[str] | None = None
+        self.commit(self.load_new())
+
+    # -- reload (plugins/reload.py) -----------------------------------------------------------
+    def watched(self) -> Sequence[Path]:
+        return (self.path,) if self.prices is None else (self.path, Path(self.prices))
+
+    def load_new(self) -> object:
+        """The parsed and checked catalog (ConfigError: bad; the current one stays)."""
+        loaded = _load(self.path, self.prices)
+        if self._checked is not None:
+            _check(loaded.file, self.path, *self._checked)
+            new_kinds = _kinds(loaded.file) - (self._started_kinds or frozenset())
+            if new_kinds:
+                raise ConfigError(f"{self.path}: backend kind(s) {sorted(new_kinds)} were not "
+                                  "started with the gateway: restart to add them")
+        return loaded
+
+    def commit(self, new: object) -> str:
+        assert isinstance(new, _Loaded)
+        self.file, self.names, self.entries = new.file, new.names, new.entries
+        self.book, self.plans, self.created = new.book, new.plans, new.created
+        return f"{len(self.file.models)} models"
 
     # -- startup ----------------------------------------------------------------------------
     def check(self, engines: Mapping[str, frozenset[str]], profiles: frozenset[str],
               backends: frozenset[str]) -> None:
-        for i, entry in enumerate(self.file.models):
-            where = f"{self.path}: models[{i}] (name {entry.name!r})"
-            if entry.pool is not None:
-                self._check_pool(where, entry.name, entry.pool, engines, profiles)
-            elif entry.provider is not None and entry.provider.backend not in backends:
-                known = ", ".join(sorted(backends)) or "none installed"
-                raise ConfigError(f"{where}: provider backend {entry.provider.backend!r} is "
-                                  f"not installed (known: {known})")
-
-    @staticmethod
-    def _check_pool(where: str, model: str, pool: PoolSpec,
-                    engines: Mapping[str, frozenset[str]], profiles: frozenset[str]) -> None:
-        for engine in pool.engines or ():
-            if engine not in engines:
-                raise ConfigError(f"{where}: pool engine {engine!r} is not in the gateway "
-                                  f"config (engines: {', '.join(sorted(engines)) or 'none'})")
-            served = engines[engine]
-            if served and model not in served:
-                raise ConfigError(f"{where}: engine {engine!r} is configured to serve "
-                                  f"{sorted(served)}, not {model!r}")
-        if pool.profile is not None and pool.profile not in profiles:
-            raise ConfigError(f"{where}: routing profile {pool.profile!r} is not in the "
-                              f"gateway config (profiles: {', '.join(sorted(profiles))})")
+        _check(self.file, self.path, engines, profiles, backends)
+        self._checked = (engines, profiles, backends)
+        self._started_kinds = _kinds(self.file)
 
     def backend_kinds(self) -> frozenset[str]:
-        return frozenset(e.provider.backend for e in self.file.models if e.provider is not None)
+        return _kinds(self.file)
 
     # -- lookups ----------------------------------------------------------------------------
     def canonical(self, name: str) -> str | None:
