@@ -20,7 +20,8 @@ def _ids(seed: int, n: int) -> list[int]:
 
 
 @pytest.mark.parametrize(("n", "block_size"), [
-    (0, 64), (63, 64), (64, 64), (65, 64), (64 * 300 + 7, 64),  # 300 blocks: the cumsum path
+    (0, 64), (63, 64), (64, 64), (65, 64), (64 * 63, 64), (64 * 64, 64),  # Python / numpy
+    (64 * 300 + 7, 64), (101 * 63, 63),  # 300 and 101 blocks: the cumsum path
     (10, 1), (100, 3), (96, 16), (1000, 128), (5, 2),
 ])
 @pytest.mark.parametrize("as_array", [False, True])
