@@ -242,6 +242,23 @@ def with_billing(
     return parse_config(data, config.source)
 
 
+def with_quotas(config: GatewayConfig) -> GatewayConfig:
+    """``config`` with a ``quotas`` plugin when it authenticates with a keys file and has none:
+    the limits and budgets written in the keys file are enforced without more configuration.
+    It goes after the ``api-keys`` and ``billing`` plugins (it prices budgets with billing).
+    """
+    data = config.model_dump(exclude={"source"})
+    plugins: list[dict[str, Any]] = data["plugins"]
+    types = [p["type"] for p in plugins]
+    keyed = any(p["type"] == "api-keys" and p["params"].get("file")
+                and not p["params"].get("disabled") for p in plugins)
+    if not keyed or "quotas" in types:
+        return config
+    after = max(i for i, t in enumerate(types) if t in ("api-keys", "billing"))
+    plugins.insert(after + 1, {"type": "quotas", "params": {}})
+    return parse_config(data, config.source)
+
+
 def with_shared_state(config: GatewayConfig, redis_url: str | None) -> GatewayConfig:
     """``config`` with ``kvgate serve --redis URL`` applied (the flag wins over the file)."""
     if redis_url is None:

@@ -112,6 +112,15 @@ class Overloaded(HTTPError):
     code = "overloaded"
 
 
+class ServiceUnavailable(HTTPError):
+    """A store the request depends on is down and its policy fails closed (e.g. budgets while
+    the shared quota store is unreachable; send ``Retry-After``)."""
+
+    status = 503
+    type = "server_error"
+    code = "service_unavailable"
+
+
 class UpstreamError(HTTPError):
     """The engine failed or answered with an error (502), or timed out (504)."""
 

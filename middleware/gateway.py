@@ -42,7 +42,7 @@ from middleware.plugin import authenticate
 from middleware.pool import EndpointPool
 from middleware.requests import build_request, client_request_id, load_body, new_request_id
 from middleware.states import StateMap
-from middleware.types import Endpoint, Principal
+from middleware.types import Endpoint, InferenceRequest, Principal
 from middleware.upstream import open_request
 
 log = logging.getLogger("kvgate.gateway")
@@ -143,8 +143,18 @@ class Gateway:
         except Exception:
             log.exception("unexpected error (request %s)", ctx.request_id)
             await self.send_error(ctx, internal_error(ctx.request_id))
+        if ctx.req is not None:
+            await self._request_end(ctx.req, ctx)
         self.metrics.requests.labels(adapter.name, self._model_label(ctx), str(ctx.status)).inc()
         self.metrics.latency.labels(adapter.name).observe(time.monotonic() - ctx.received_at)
+
+    async def _request_end(self, req: InferenceRequest, ctx: RequestContext) -> None:
+        """Every request-end hook runs, even when another raised (each releases its own)."""
+        for hook in self.pipeline.request_end_hooks:
+            try:
+                await hook.on_request_end(req, ctx.state, ctx.status)
+            except Exception:
+                log.exception("request %s: request-end hook failed", req.request_id)
 
     async def send_error(self, ctx: RequestContext, err: HTTPError) -> None:
         """The one place an API request's error becomes a response: the adapter's shape;

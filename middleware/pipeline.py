@@ -34,6 +34,7 @@ from middleware.plugin import (
     PrefillHook,
     ProfileHandler,
     RequestDeferral,
+    RequestEndHook,
     RequestHook,
     Route,
     RouteProvider,
@@ -59,6 +60,7 @@ class Pipeline:
     dispatch_hooks: tuple[DispatchHook, ...] = ()
     usage_hooks: tuple[UsageHook, ...] = ()
     completion_hooks: tuple[CompletionHook, ...] = ()
+    request_end_hooks: tuple[RequestEndHook, ...] = ()
     prefill_hooks: tuple[PrefillHook, ...] = ()
     listeners: tuple[EndpointSetListener, ...] = ()
     lifecycles: tuple[Lifecycle, ...] = field(default=())
@@ -340,6 +342,7 @@ def build_pipeline(config: GatewayConfig, registry: Registry) -> Pipeline:
         dispatch_hooks=tuple(p for p in values if isinstance(p, DispatchHook)),
         usage_hooks=tuple(p for p in values if isinstance(p, UsageHook)),
         completion_hooks=tuple(p for p in values if isinstance(p, CompletionHook)),
+        request_end_hooks=tuple(p for p in values if isinstance(p, RequestEndHook)),
         prefill_hooks=tuple(p for p in values if isinstance(p, PrefillHook)),
         listeners=tuple(p for p in values if isinstance(p, EndpointSetListener)),
         lifecycles=(*(p for p in values if isinstance(p, Lifecycle)),

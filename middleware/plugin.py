@@ -190,6 +190,17 @@ class CompletionHook(Protocol):
 
 
 @runtime_checkable
+class RequestEndHook(Protocol):
+    """Runs exactly once for every inference request whose request hooks started, once its
+    answer (or error) has been sent, on every path: dispatched or not (a later hook refused
+    it, no engine, deferred, client gone). ``status`` is what the client got (499: it left).
+    Releases what a request hook took (quota slots, reservations); must not raise."""
+
+    async def on_request_end(self, req: InferenceRequest, state: CycleState,
+                             status: int) -> None: ...
+
+
+@runtime_checkable
 class PrefillHook(Protocol):
     """Told when the prefill hop of a two-hop (prefill/decode) request has ended, before the
     request completes (e.g. to release in-flight prefill load early). ``ok``: the prefill
@@ -363,6 +374,7 @@ SLOTS: Mapping[str, type] = {
     "dispatch-hook": DispatchHook,
     "usage-hook": UsageHook,
     "completion-hook": CompletionHook,
+    "request-end-hook": RequestEndHook,
     "prefill-hook": PrefillHook,
     "endpoint-set-listener": EndpointSetListener,
     "lifecycle": Lifecycle,

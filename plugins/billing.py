@@ -23,10 +23,12 @@ Ledger records (one per request that reached an engine, idempotent by request id
   gateway's estimate) and the SSE events relayed as completion tokens, ``priced: false``; an
   engine error before any byte processed nothing (0 tokens).
 
-Budgets (``budget_usd`` of an api-keys key): the key's spend is loaded from the ledger at start
-(summed in the database), then kept in memory; a request from a key whose spend has reached its
-budget gets 429 ``insufficient_quota`` before any work. Memory: one Decimal per key id, and the
-metric counters per (tenant, model, kind): bounded by the keys file and the served models.
+Budgets (``budget_usd`` of a key or a tenant) are enforced by the ``quotas`` plugin
+(plugins/quotas.py, docs/plugins/quotas.md), in-process or shared by replicas through Redis:
+it asks this plugin for a request's worst-case cost (:meth:`Billing.estimate`), settles with
+the real one (``billing-cost`` state, set on every outcome) and seeds spend from the ledger
+(:meth:`Billing.spend_by_scope`). Memory: the metric counters per (tenant, model, kind),
+bounded by the keys file and the served models.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from middleware.errors import BadRequest, ConfigError, Forbidden, RateLimited
+from middleware.errors import BadRequest, ConfigError, Forbidden
 from middleware.plugin import (
     Authenticator,
     CompletionHook,
@@ -54,7 +56,6 @@ from middleware.plugin import (
     MetricsSource,
     Plugin,
     PluginLookup,
-    RequestHook,
     Route,
     RouteProvider,
     UsageHook,
@@ -89,8 +90,7 @@ def _default_ledger() -> str:
     return f"sqlite://{Path('.kvgate/ledger.sqlite').resolve()}"
 
 
-class Billing(Plugin, RequestHook, UsageHook, CompletionHook, Lifecycle, RouteProvider,
-              MetricsSource):
+class Billing(Plugin, UsageHook, CompletionHook, Lifecycle, RouteProvider, MetricsSource):
     """See the module docstring and docs/billing.md."""
 
     type_name = "billing"
@@ -142,7 +142,6 @@ class Billing(Plugin, RequestHook, UsageHook, CompletionHook, Lifecycle, RoutePr
                 raise ConfigError(f"auth {params.auth!r} is not an authenticator plugin")
             self.auth = found
         self.ledger: Ledger | None = None
-        self.spent: dict[str, Decimal] = {}
         self.tokens: dict[tuple[str, str, str], int] = {}
         self.money: dict[tuple[str, str], Decimal] = {}
 
@@ -172,9 +171,8 @@ class Billing(Plugin, RequestHook, UsageHook, CompletionHook, Lifecycle, RoutePr
         await asyncio.to_thread(_make_dirs, url, Path(self.p.spool))
         self.ledger = Ledger(backend, Path(self.p.spool))
         await self.ledger.start()
-        self.spent = await self.ledger.spend_by_key()
-        log.info("billing: ledger %s, spool %s, %d models priced, %d keys with spend",
-                 _redact(url), self.p.spool, len(self.book.models), len(self.spent))
+        log.info("billing: ledger %s, spool %s, %d models priced", _redact(url), self.p.spool,
+                 len(self.book.models))
         if self.auth is None:
             log.warning("billing: the usage API %s is not protected (no authenticator)",
                         USAGE_PATH)
@@ -183,13 +181,27 @@ class Billing(Plugin, RequestHook, UsageHook, CompletionHook, Lifecycle, RoutePr
         if self.ledger is not None:
             await self.ledger.stop()
 
+    # -- budgets (the quotas plugin enforces them) ----------------------------------------
+    def estimate(self, req: InferenceRequest, prompt_tokens: int,
+                 completion_tokens: int) -> Decimal | None:
+        """Worst-case cost of ``req`` (no cached tokens, with the tenant's and tier's discount);
+        None: its model has no price."""
+        price = self.book.price(req.model, _now())
+        if price is None:
+            return None
+        counts = TokenCounts(prompt_tokens, completion_tokens, None, 0)
+        return cost(counts, price, self._discount(req)).total
+
+    async def spend_by_scope(self) -> dict[str, Decimal]:
+        """Committed spend per ``key:<id>`` and ``tenant:<name>``, summed in the database."""
+        if self.ledger is None:
+            return {}
+        keys = await self.ledger.spend_by_key()
+        tenants = await self.ledger.spend_by_tenant()
+        return {**{f"key:{k}": v for k, v in keys.items()},
+                **{f"tenant:{t}": v for t, v in tenants.items()}}
+
     # -- request path ---------------------------------------------------------------------
-    async def on_request(self, req: InferenceRequest, state: CycleState) -> None:
-        budget = getattr(req.principal, "budget_usd", None)
-        if isinstance(budget, Decimal) and req.key_id is not None and (
-                self.spent.get(req.key_id, ZERO) >= budget):
-            raise RateLimited(f"API key {req.key_id!r} has used its budget of ${budget}",
-                              code="insufficient_quota")
 
     async def on_usage(self, req: InferenceRequest, state: CycleState, target: Endpoint,
                        usage: Usage) -> None:
@@ -231,6 +243,8 @@ class Billing(Plugin, RequestHook, UsageHook, CompletionHook, Lifecycle, RoutePr
             return
         usage = outcome.usage or self._processed(req, state, outcome)
         priced = state.get(COST) or self._price(req, state, target, usage)
+        if priced is not None:
+            state.put(COST, priced)  # the quotas plugin settles budgets with it
         record = _record(req, state, target, outcome, usage, priced)
         self._count(record)
         await self.ledger.submit(record)
@@ -250,7 +264,6 @@ class Billing(Plugin, RequestHook, UsageHook, CompletionHook, Lifecycle, RoutePr
             self.tokens[key] = self.tokens.get(key, 0) + n
         mkey = (r.tenant, r.model)
         self.money[mkey] = self.money.get(mkey, ZERO) + r.cost_total
-        self.spent[r.key_id] = self.spent.get(r.key_id, ZERO) + r.cost_total
 
     # -- usage API --------------------------------------------------------------------------
     def routes(self) -> Sequence[Route]:

@@ -67,6 +67,9 @@ class LedgerBackend(Protocol):
     def spend_by_key(self, since: dt.datetime | None = None) -> dict[str, Decimal]:
         """Total ``cost_total`` per ``key_id`` (for budgets)."""
 
+    def spend_by_tenant(self, since: dt.datetime | None = None) -> dict[str, Decimal]:
+        """Total ``cost_total`` per ``tenant`` (for tenant budgets)."""
+
     def close(self) -> None: ...
 
 

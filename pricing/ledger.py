@@ -297,6 +297,10 @@ class Ledger:
         """Committed ``cost_total`` per API key (for budgets), summed in the database."""
         return await asyncio.to_thread(self.backend.spend_by_key, since)
 
+    async def spend_by_tenant(self, since: dt.datetime | None = None) -> dict[str, Decimal]:
+        """Committed ``cost_total`` per tenant (for tenant budgets), summed in the database."""
+        return await asyncio.to_thread(self.backend.spend_by_tenant, since)
+
 
 def _report_crash(task: asyncio.Task[None]) -> None:
     """A ledger task must never end on its own: say so loudly if one does."""

@@ -104,7 +104,13 @@ class PostgresBackend:
         return [usage_row(r) for r in rows]
 
     def spend_by_key(self, since: dt.datetime | None = None) -> dict[str, Decimal]:
-        sql = f"SELECT key_id, SUM(cost_total) FROM {TABLE} WHERE ts >= %s GROUP BY key_id"
+        return self._spend_by("key_id", since)
+
+    def spend_by_tenant(self, since: dt.datetime | None = None) -> dict[str, Decimal]:
+        return self._spend_by("tenant", since)
+
+    def _spend_by(self, column: str, since: dt.datetime | None) -> dict[str, Decimal]:
+        sql = f"SELECT {column}, SUM(cost_total) FROM {TABLE} WHERE ts >= %s GROUP BY {column}"
         start = since if since is not None else _at(0)
         rows = self._conn.run(lambda db: db.execute(sql, (start,)).fetchall())
         return {str(k): Decimal(str(v)) for k, v in rows}

@@ -155,7 +155,13 @@ class SqliteBackend:
         return [usage_row(r) for r in rows]
 
     def spend_by_key(self, since: dt.datetime | None = None) -> dict[str, Decimal]:
-        sql = f"SELECT key_id, decsum(cost_total) FROM {TABLE} WHERE ts >= ? GROUP BY key_id"
+        return self._spend_by("key_id", since)
+
+    def spend_by_tenant(self, since: dt.datetime | None = None) -> dict[str, Decimal]:
+        return self._spend_by("tenant", since)
+
+    def _spend_by(self, column: str, since: dt.datetime | None) -> dict[str, Decimal]:
+        sql = f"SELECT {column}, decsum(cost_total) FROM {TABLE} WHERE ts >= ? GROUP BY {column}"
         start = 0 if since is None else to_us(since)
         rows = self._conn.run(lambda db: db.execute(sql, (start,)).fetchall())
         return {str(k): Decimal(v) for k, v in rows}

@@ -84,7 +84,7 @@ def billing_config(urls: list[str], tmp: Path, keys: Keys, *, ledger: str | None
     data = gateway_config(urls, picker, **({"server": server} if server else {}))
     data["plugins"] = [{"type": "api-keys", "params": {"file": str(keys.path)}},
                        *(plugins_before or []), {"type": "billing", "params": params},
-                       *data["plugins"]]
+                       {"type": "quotas"}, *data["plugins"]]
     return data
 
 

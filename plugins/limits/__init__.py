@@ -1,0 +1,1 @@
+"""Quota and budget stores of the ``quotas`` plugin (plugins/quotas.py)."""
