@@ -22,6 +22,9 @@ product's default: cache-aware with no setup, precise when the fleet allows it.
   (``x-kvgate-queue: true``), background responses (so the ``responses`` API accepts
   ``background: true``) and the Batch/Files API, in SQLite under ``.kvgate/`` (where the
   ledger's default lives), run while the engines have headroom.
+* **Isolation.** ``cache-salt``: with API keys on (``--keys``), every request to an engine
+  carries its tenant's ``cache_salt`` (docs/operations.md "Tenant isolation"); without keys it
+  does nothing.
 * **P/D.** Decode first (placement over decode engines: the conversation's KV lives where it
   was decoded), then a prefill hop only when at least 256 prompt tokens are not on that decode
   engine (placement over prefill engines).
@@ -45,6 +48,8 @@ def _producers(qs: QuickStart) -> list[dict[str, Any]]:
     if qs.tokenizer is not None and ("/" in qs.tokenizer or Path(qs.tokenizer).is_dir()):
         tokenizer = {"kind": "hf", "model_dir": qs.tokenizer}
     out: list[dict[str, Any]] = [{"type": "tokenizer", "params": {"tokenizer": tokenizer}}]
+    # tenant cache salts: inactive until api-keys is switched on (--keys), then injected
+    out.append({"type": "cache-salt"})
     if qs.has_events:
         events: dict[str, Any] = {"connect": bool(qs.kv_events)}
         if qs.kv_events_bind:

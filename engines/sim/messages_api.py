@@ -30,7 +30,7 @@ from engines.sim.agent_common import (
     resolve_model,
 )
 from engines.sim.config import SimConfig
-from engines.sim.protocol import ApiError, ParsedRequest, Usage
+from engines.sim.protocol import ApiError, ParsedRequest, Usage, check_cache_salt
 from engines.sim.tokenizer import TemplateError, chat_token_ids
 
 _MESSAGE_FIELDS = (
@@ -151,6 +151,7 @@ def prompt_ids(body: Mapping[str, Any], config: SimConfig) -> list[int]:
 def parse_messages(body: Any, config: SimConfig) -> ParsedRequest:
     """Validate a ``/v1/messages`` body into the engine request."""
     body = check_fields(body, _MESSAGE_FIELDS)
+    check_cache_salt(body.get("cache_salt"))
     model = resolve_model(body["model"], config.served_model_names)
     ids = prompt_ids(body, config)
     max_tokens = output_limit("max_completion_tokens", body["max_tokens"], len(ids),

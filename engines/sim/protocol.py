@@ -167,15 +167,33 @@ def _stream_usage(body: Mapping[str, Any], stream: bool) -> bool:
     return _opt_bool(options, "include_usage")
 
 
+#: vLLM 0.32's rule for ``cache_salt`` (entrypoints/generate/base/protocol.py:38-58).
+CACHE_SALT_MAX_CHARS = 128
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+def check_cache_salt(salt: object) -> None:
+    """vLLM's ``validate_cache_salt``: absent, or a non-empty string of at most 128 characters
+    without ``@``, ``/``, ``\\`` or NUL (400 naming ``cache_salt`` otherwise). vLLM runs it on
+    chat, completions, responses and pooling bodies, and on Messages through the chat request
+    it converts them to (entrypoints/anthropic/serving.py:611-621)."""
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise ApiError(400, "Parameter 'cache_salt' must be a non-empty string if provided.",
+                       "cache_salt")
+    if len(salt) > CACHE_SALT_MAX_CHARS or not CACHE_SALT_FORBIDDEN.isdisjoint(salt):
+        raise ApiError(400, "Parameter 'cache_salt' must be at most 128 characters and must "
+                       "not contain '@', '/', '\\\\', or NUL.", "cache_salt")
+
+
 def _check_sampling(body: Mapping[str, Any]) -> None:
     n = _opt_int(body, "n", 1)
     if n is not None and n != 1:
         raise ApiError(400, "n > 1 is not supported by the simulator", "n")
     _check_number(body, "temperature", 0.0)  # vLLM only requires >= 0
     _check_number(body, "top_p", 0.0, 1.0)
-    salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise ApiError(400, "cache_salt must be a non-empty string", "cache_salt")
+    check_cache_salt(body.get("cache_salt"))
     params = body.get("kv_transfer_params")
     if params is not None and not isinstance(params, Mapping):
         raise ApiError(400, "kv_transfer_params must be an object", "kv_transfer_params")

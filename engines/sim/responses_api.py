@@ -35,7 +35,7 @@ from engines.sim.agent_common import (
     resolve_model,
 )
 from engines.sim.config import SimConfig
-from engines.sim.protocol import ApiError, ParsedRequest, Usage
+from engines.sim.protocol import ApiError, ParsedRequest, Usage, check_cache_salt
 from engines.sim.tokenizer import SPECIAL_TOKENS, TemplateError, chat_token_ids
 
 _FIELDS = (
@@ -189,6 +189,7 @@ def _store_flags(body: Mapping[str, Any], config: SimConfig) -> tuple[bool, bool
 def parse_responses(body: Any, config: SimConfig, store: ResponseStore) -> ResponsesRequest:
     """Validate a ``POST /v1/responses`` body (resolving ``previous_response_id``)."""
     body = check_fields(body, _FIELDS)
+    check_cache_salt(body.get("cache_salt"))
     model = resolve_model(body.get("model"), config.served_model_names)
     keep, background = _store_flags(body, config)
     prev_id = body.get("previous_response_id")

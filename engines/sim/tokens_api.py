@@ -34,7 +34,7 @@ from starlette.routing import Route
 from engines.sim.agent_common import Field, check_fields, output_limit, read_body, resolve_model
 from engines.sim.config import SimConfig
 from engines.sim.messages_api import parse_messages
-from engines.sim.protocol import ApiError, completion_prompt_ids
+from engines.sim.protocol import ApiError, check_cache_salt, completion_prompt_ids
 from engines.sim.responses_api import ResponseStore, new_response_id, parse_responses
 from engines.sim.tokenizer import (
     SPECIAL_TOKENS,
@@ -152,6 +152,7 @@ def _embed_inputs(value: Any) -> list[list[int]]:
 def embeddings_body(body: Any, config: SimConfig) -> dict[str, Any]:
     """``/v1/embeddings`` (vLLM's unknown-model message here has no alias list, param null)."""
     body = check_fields(body, _EMBED_FIELDS)
+    check_cache_salt(body.get("cache_salt"))
     model = body.get("model") or config.model_name
     if model not in config.served_model_names:
         raise ApiError(404, f"The model `{model}` does not exist.")

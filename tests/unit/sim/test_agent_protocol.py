@@ -14,9 +14,16 @@ from engines.sim.agent_common import (
     check_fields,
     output_limit,
 )
-from engines.sim.messages_api import MessagesShaper, to_chat_messages
+from engines.sim.config import SimConfig
+from engines.sim.messages_api import MessagesShaper, parse_messages, to_chat_messages
 from engines.sim.protocol import ApiError, Usage
-from engines.sim.responses_api import ResponseStore, StoredResponse, input_messages
+from engines.sim.responses_api import (
+    ResponseStore,
+    StoredResponse,
+    input_messages,
+    parse_responses,
+)
+from engines.sim.tokens_api import embeddings_body
 
 FIELDS = (Field("model", "str", True), Field("max_tokens", "int", True), Field("stream", "bool"))
 
@@ -120,3 +127,30 @@ def test_response_store_forgets_the_oldest() -> None:
     assert caught.value.body()["error"] == {"message": "Response with id 'r0' not found.",
                                             "type": "invalid_request_error",
                                             "param": "response_id", "code": 404}
+
+
+def _salted(api: str, salt: str) -> object:
+    if api == "messages":
+        return parse_messages({"model": "m1", "max_tokens": 4, "cache_salt": salt,
+                               "messages": [{"role": "user", "content": "hi"}]}, SALT_CFG)
+    if api == "responses":
+        return parse_responses({"model": "m1", "input": "hi", "cache_salt": salt}, SALT_CFG,
+                               ResponseStore(4))
+    return embeddings_body({"model": "m1", "input": "hi", "cache_salt": salt}, SALT_CFG)
+
+
+SALT_CFG = SimConfig(served_model_names=["m1"])
+
+
+@pytest.mark.parametrize("api", ["messages", "responses", "embeddings"])
+@pytest.mark.parametrize(("salt", "ok"), [("kvg1.abc", True), ("a/b", False), ("", False),
+                                          ("s" * 129, False)])
+def test_cache_salt_rule_on_every_api_vllm_salts(api: str, salt: str, ok: bool) -> None:
+    """vLLM 0.32 applies validate_cache_salt to Messages (through the chat request it converts
+    to), Responses and pooling requests as to chat and completions."""
+    if ok:
+        _salted(api, salt)
+        return
+    with pytest.raises(ApiError) as caught:
+        _salted(api, salt)
+    assert (caught.value.status, caught.value.param) == (400, "cache_salt")

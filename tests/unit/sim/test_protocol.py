@@ -79,6 +79,13 @@ def test_passthrough_fields() -> None:
      "stream_options"),
     ("completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
     ("completions", {"prompt": "x", "cache_salt": ""}, 400, "cache_salt"),
+    # vLLM 0.32 validate_cache_salt: <= 128 characters, no '@', '/', '\\' or NUL
+    ("completions", {"prompt": "x", "cache_salt": "s" * 129}, 400, "cache_salt"),
+    ("chat", {"messages": MSGS, "cache_salt": "tenant/a"}, 400, "cache_salt"),
+    ("chat", {"messages": MSGS, "cache_salt": "a@b"}, 400, "cache_salt"),
+    ("chat", {"messages": MSGS, "cache_salt": "a\\b"}, 400, "cache_salt"),
+    ("chat", {"messages": MSGS, "cache_salt": "a\x00b"}, 400, "cache_salt"),
+    ("chat", {"messages": MSGS, "cache_salt": 7}, 400, "cache_salt"),
     ("completions", {"prompt": "x", "kv_transfer_params": [1]}, 400, "kv_transfer_params"),
     ("completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
     ("chat", {"messages": "hi"}, 400, "messages"),
@@ -116,3 +123,8 @@ def test_shapes(api: Api, details: bool, obj: str, chunk_obj: str) -> None:
     last = shaper.token_chunk(toks[1])
     assert last["object"] == chunk_obj and last["choices"][0]["finish_reason"] == "length"
     assert shaper.usage_chunk(usage) == {**shaper.head, "choices": [], "usage": expected_usage}
+
+
+@pytest.mark.parametrize("salt", ["s" * 128, "kvg1.Zm9vYmFy-_x", "tenant:a b"])
+def test_cache_salts_vllm_accepts(salt: str) -> None:
+    assert parse_request("chat", {"messages": MSGS, "cache_salt": salt}, CFG).cache_salt == salt
