@@ -219,7 +219,8 @@ def with_billing(
 
     Flags override the params of the config's ``billing`` / ``api-keys`` plugins; when the
     config has none, ``--prices`` adds both in front of its plugins (API keys from ``--keys``,
-    or authentication switched off, which the api-keys plugin announces at startup). Plugins
+    or authentication switched off, which the api-keys plugin announces at startup); with
+    ``--keys``, a ``cache-salt`` plugin too when it has none (tenants' cache salts). Plugins
     are named by type only: this is configuration data, the core imports none of them.
     """
     if prices is None and ledger is None and keys is None:
@@ -232,6 +233,8 @@ def with_billing(
     added = [] if "api-keys" in has else [{"type": "api-keys", "params": {"disabled": True}}]
     if "billing" not in has:
         added.append({"type": "billing", "params": {}})
+    if keys is not None and "cache-salt" not in has:  # tenant isolation of the engines' caches
+        added.append({"type": "cache-salt", "params": {}})
     for plugin in [*added, *plugins]:
         params = plugin["params"]
         if plugin["type"] == "billing":
