@@ -16,7 +16,9 @@ PREFIX_MATCH.
 * ``approximate`` mode (no events): the gateway keeps its own record of which blocks it routed
   to which engine, in its own block size, with an LRU bound per engine (the engine's KV
   capacity when its metrics report it, else ``engine_capacity_blocks``), a global bound and a
-  TTL. Scoped by tenant (``scope_by_tenant``), since the record is the gateway's own guess.
+  TTL. Keyed by the ``cache_salt`` the ``cache-salt`` plugin injected (state ``cache-salt``:
+  the tenant's or its sharing group's scope, exactly what separates the engines' caches), else
+  scoped by tenant (``scope_by_tenant``), since the record is the gateway's own guess.
 * ``auto`` mode: both. Per engine, the KV-event index while that engine's state is ``exact``
   (plugins/kv_health.py), else the gateway's own record, which auto mode therefore always
   keeps. Without a ``kv-events`` plugin every engine is ``approximate``.
@@ -65,7 +67,7 @@ from plugins import record_hash
 from plugins.kv_events import KvEventsSubscriber
 from plugins.kv_health import IndexHealth
 from plugins.kv_index import HashingError, KvIndex, chain_hashes, engine_of, request_extra_keys
-from plugins.state import PREFIX_MATCH, TOKEN_IDS, TOKEN_IDS_INEXACT, PrefixMatch
+from plugins.state import CACHE_SALT, PREFIX_MATCH, TOKEN_IDS, TOKEN_IDS_INEXACT, PrefixMatch
 
 log = logging.getLogger("kvgate.prefix_cache")
 
@@ -226,19 +228,21 @@ class PrefixCacheProducer(Plugin, DataProducer, DispatchHook, UsageHook, Endpoin
     # -- hashing and matching ---------------------------------------------------------------
     def prompt_hashes(
         self, req: InferenceRequest, tokens: Sequence[int], sizes: frozenset[int],
-        *, scoped: bool | None = None,
+        *, scoped: bool | None = None, by_salt: bool = False,
     ) -> Hashes:
         """The prompt's own hashes for each block size in ``sizes``; ``scoped``: the gateway's
         record (default: not in precise mode), keyed by :mod:`plugins.record_hash` (vectorised,
         its own values) under a scope of LoRA adapter, cache salt and tenant; else the KV-event
-        index's hash (the engines' block layout, :mod:`plugins.kv_hashing`)."""
+        index's hash (the engines' block layout, :mod:`plugins.kv_hashing`). ``by_salt``: the
+        body's ``cache_salt`` is the gateway's injected isolation scope: the record is keyed by
+        it alone, not by tenant (tenants of a sharing group share records, as engines do)."""
         lora = req.model if req.model in self.p.lora_adapters else None
         salt = req.body.get("cache_salt")
         salt = salt if isinstance(salt, str) and salt else None
         if scoped is None:
             scoped = not self.precise
         if scoped:
-            tenant = req.tenant if self.p.scope_by_tenant else None
+            tenant = req.tenant if self.p.scope_by_tenant and not by_salt else None
             scope = record_hash.scope_of(lora, salt, tenant)
             return {size: record_hash.chain(tokens, size, group_idx=self.p.group_idx, scope=scope)
                     for size in sizes}
@@ -285,8 +289,10 @@ class PrefixCacheProducer(Plugin, DataProducer, DispatchHook, UsageHook, Endpoin
                 state.put(_EVENT_HASHES, hashes)
                 precise = self._match(self.events, hashes, wanted)
             if self.record is not None:
+                # keyed by the injected salt when there is one (it is the tenant's or its
+                # sharing group's scope, as on the engines), else by tenant
                 hashes = self.prompt_hashes(req, tokens, frozenset({self.p.block_size}),
-                                            scoped=True)
+                                            scoped=True, by_salt=CACHE_SALT in state)
                 state.put(_RECORD_HASHES, hashes)
                 approx = self._match(self.record, hashes, wanted)
         except HashingError:
