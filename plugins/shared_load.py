@@ -87,7 +87,7 @@ def merge_loads(raws: list[Any]) -> dict[EndpointId, EngineLoad]:
             continue
         for ep, vals in doc.items():
             if (isinstance(vals, list) and len(vals) == 3
-                    and all(isinstance(v, int) and v >= 0 for v in vals)):
+                    and all(type(v) is int and v >= 0 for v in vals)):
                 acc = total.setdefault(str(ep), [0, 0, 0])
                 for i in range(3):
                     acc[i] += vals[i]

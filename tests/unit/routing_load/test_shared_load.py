@@ -1,0 +1,109 @@
+"""In-flight token load shared between replicas (plugins/shared_load.py), against a real
+``redis-server``: two token-load scorers on one Redis see each other's load, a stopped replica's
+load expires, Redis stopped -> each routes on its own load and says so; the merge is pure."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from middleware.types import CycleState, Outcome, OutcomeKind, RoutingDecision
+from plugins.shared_load import merge_loads
+from plugins.token_load import EngineLoad, TokenLoadScorer
+from tests.servers import REDIS_SERVER, RedisServer, free_port
+from tests.unit.routing_load.helpers import ep, load_scorer, req
+
+pytest.importorskip("redis", reason="the 'redis' package is not installed (kvgate[redis])")
+pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server not installed")
+
+INTERVAL_S = 0.05
+
+
+@pytest.mark.parametrize(("raws", "expected"), [
+    ([], {}),
+    ([None], {}),
+    ([b'{"e0":[10,20,1]}', b'{"e0":[1,2,1],"e1":[5,0,1]}'],
+     {"e0": EngineLoad(11, 22, 2), "e1": EngineLoad(5, 0, 1)}),
+    ([b"not json", b"[1,2]", b'{"e0":[1,2]}', b'{"e0":[-1,0,0]}', b'{"e0":[1,true,0]}'], {}),
+    ([json.dumps({"e2": [0, 7, 3]}).encode(), None], {"e2": EngineLoad(0, 7, 3)}),
+])
+def test_merge_loads(raws: list[bytes | None], expected: dict[str, EngineLoad]) -> None:
+    assert merge_loads(raws) == expected
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer(free_port())
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def scorer(url: str) -> TokenLoadScorer:
+    """A replica's scorer; the generous timeout is for loaded CI machines."""
+    return load_scorer(redis_url=url, share_interval_s=INTERVAL_S, share_ttl_s=0.5,
+                       redis_timeout_s=2.0)
+
+
+async def until(check: object, limit_s: float = 5.0) -> None:
+    assert callable(check)
+    for _ in range(int(limit_s / 0.02)):
+        if check():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+async def charge(s: TokenLoadScorer, engine: str, max_tokens: int) -> CycleState:
+    r = req(body={"prompt": "x", "max_tokens": max_tokens})
+    state = CycleState()
+    await s.before_dispatch(r, state, RoutingDecision(target=ep(engine)))
+    return state
+
+
+async def test_replicas_see_each_others_load(redis_server: RedisServer) -> None:
+    a, b = scorer(redis_server.url), scorer(redis_server.url)
+    await a.start()
+    await b.start()
+    try:
+        state = await charge(a, "e0", 1000)
+        await until(lambda: b.load("e0").decode_tokens == 1000)
+        assert b.tracker.load("e0") == EngineLoad()  # b's own view stays its own
+        assert b.health()["other_replicas"] == 1
+        await b.before_dispatch(req(body={"max_tokens": 10}), CycleState(),
+                                RoutingDecision(target=ep("e0")))
+        assert b.load("e0").decode_tokens == 1010  # own + the others'
+        await a.on_complete(req(), state, ep("e0"), Outcome(OutcomeKind.DONE, 200))
+        await until(lambda: b.load("e0").decode_tokens == 10)
+        await charge(a, "e1", 500)
+        await until(lambda: b.load("e1").decode_tokens == 500)
+        await a.stop()  # a stopped replica's entry is deleted (or expires after share_ttl_s)
+        await until(lambda: b.load("e1").decode_tokens == 0)
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_redis_down_falls_back_to_own_load(redis_server: RedisServer) -> None:
+    a, b = scorer(redis_server.url), scorer(redis_server.url)
+    await a.start()
+    await b.start()
+    try:
+        await charge(a, "e0", 1000)
+        await until(lambda: b.load("e0").decode_tokens == 1000)
+        redis_server.stop()
+        assert b.shared is not None
+        await until(lambda: b.shared is not None and b.shared.stats.down)
+        assert b.load("e0") == EngineLoad()  # the others' stale load is dropped, not kept
+        assert "degraded" in str(b.health()["shared_load"])
+        redis_server.start()  # same port: the next round reconnects
+        await until(lambda: b.shared is not None and not b.shared.stats.down
+                    and b.load("e0").decode_tokens == 1000)
+    finally:
+        await a.stop()
+        await b.stop()
