@@ -343,18 +343,35 @@ def _adjuster(ctx: RequestContext, rewriter: UsageRewriter | None) -> Adjust | N
 
 
 async def race(work: Awaitable[T], receive: Receive) -> T:
-    """Run ``work`` unless the client disconnects first (then cancel it: ClientGone)."""
-    task = asyncio.ensure_future(work)
+    """Run ``work`` unless the client disconnects first (then cancel it: ClientGone).
+
+    ``work`` runs in the calling task; a done-callback on the disconnect watcher cancels that
+    task where it awaits. Per request this saves a second task and an ``asyncio.wait`` (its
+    futures, callbacks and sets: ~5 % of kvgate's CPU at 1 KiB in a py-spy profile)."""
+    current = asyncio.current_task()
+    assert current is not None
+    live, gone = True, False
+
+    def on_disconnect(watcher: asyncio.Task[None]) -> None:
+        nonlocal gone
+        if live and not watcher.cancelled() and watcher.exception() is None:
+            gone = True
+            current.cancel()
+
     watcher = disconnect_watcher(receive)
+    watcher.add_done_callback(on_disconnect)
     try:
-        done, _ = await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise ClientGone()
+        result = await work
+    except asyncio.CancelledError:
+        if not gone or current.uncancel() > 0:  # not ours, or also cancelled from outside
+            raise
+        raise ClientGone() from None
     finally:
+        live = False
         watcher.cancel()
+    if gone and current.uncancel() == 0:  # ``work`` swallowed the cancellation
+        raise ClientGone()
+    return result
 
 
 __all__ = ["Dispatcher", "UpstreamHTTPError", "Work", "race"]
