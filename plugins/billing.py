@@ -23,6 +23,13 @@ Ledger records (one per request that reached an engine, idempotent by request id
   gateway's estimate) and the SSE events relayed as completion tokens, ``priced: false``; an
   engine error before any byte processed nothing (0 tokens).
 
+Sessions: a request's session key (tenant, model and the session header's value, from the
+session-affinity plugin) is stored only as ``hs1:`` + the first 32 hex digits of its
+HMAC-SHA256 with the gateway secret's ``ledger-session`` key (plugins/gateway_secret.py;
+``secret_env`` / ``secret_file``, shared with ``cache-salt``), loaded at start: an operator who
+knows a session id recomputes the digest to find its records; the ledger alone does not give the
+ids away.
+
 Budgets (``budget_usd`` of a key or a tenant) are enforced by the ``quotas`` plugin
 (plugins/quotas.py, docs/plugins/quotas.md), in-process or shared by replicas through Redis:
 it asks this plugin for a request's worst-case cost (:meth:`Billing.estimate`), settles with
@@ -71,6 +78,13 @@ from middleware.types import (
     Usage,
     add_response_header,
 )
+from plugins.gateway_secret import (
+    DEFAULT_ENV,
+    DEFAULT_FILE,
+    SESSION_PURPOSE,
+    load_secret,
+    session_digest,
+)
 from plugins.state import PREFIX_MATCH, SESSION_KEY, TOKEN_IDS
 from pricing.backends import open_backend
 from pricing.cost import Cost, TokenCounts, cost
@@ -115,6 +129,10 @@ class Billing(Plugin, UsageHook, CompletionHook, Lifecycle, RouteProvider, Metri
         #: pricing and combined with the tenant's discount: total off = 1 - (1 - tenant) x
         #: (1 - tier). Live traffic has no tier.
         tier_discounts: dict[str, Decimal] = Field(default_factory=dict)
+        #: The gateway secret (plugins/gateway_secret.py; shared with ``cache-salt``): session
+        #: ids are stored as ``hs1:`` + a keyed digest of the session key, never in clear.
+        secret_env: str = DEFAULT_ENV
+        secret_file: str = DEFAULT_FILE
 
         @field_validator("tier_discounts")
         @classmethod
@@ -142,6 +160,7 @@ class Billing(Plugin, UsageHook, CompletionHook, Lifecycle, RouteProvider, Metri
                 raise ConfigError(f"auth {params.auth!r} is not an authenticator plugin")
             self.auth = found
         self.ledger: Ledger | None = None
+        self._session_key = b""  # loaded by start(), before the ledger exists
         self.tokens: dict[tuple[str, str, str], int] = {}
         self.money: dict[tuple[str, str], Decimal] = {}
 
@@ -169,6 +188,8 @@ class Billing(Plugin, UsageHook, CompletionHook, Lifecycle, RouteProvider, Metri
         except ValueError as exc:
             raise ConfigError(f"billing: {exc}") from None
         await asyncio.to_thread(_make_dirs, url, Path(self.p.spool))
+        secret = await asyncio.to_thread(load_secret, self.p.secret_env, self.p.secret_file)
+        self._session_key = secret.derive(SESSION_PURPOSE)
         self.ledger = Ledger(backend, Path(self.p.spool))
         await self.ledger.start()
         log.info("billing: ledger %s, spool %s, %d models priced", _redact(url), self.p.spool,
@@ -214,7 +235,8 @@ class Billing(Plugin, UsageHook, CompletionHook, Lifecycle, RouteProvider, Metri
         if self.ledger is not None:  # durable before the client's response ends
             early = Outcome(OutcomeKind.DONE, 200, usage,
                             total_s=time.monotonic() - req.received_at)
-            await self.ledger.submit(_record(req, state, target, early, usage, priced))
+            await self.ledger.submit(_record(req, state, target, early, usage, priced,
+                                             self._session_key))
 
     def _price(self, req: InferenceRequest, state: CycleState, target: Endpoint,
                usage: Usage) -> Cost | None:
@@ -245,7 +267,7 @@ class Billing(Plugin, UsageHook, CompletionHook, Lifecycle, RouteProvider, Metri
         priced = state.get(COST) or self._price(req, state, target, usage)
         if priced is not None:
             state.put(COST, priced)  # the quotas plugin settles budgets with it
-        record = _record(req, state, target, outcome, usage, priced)
+        record = _record(req, state, target, outcome, usage, priced, self._session_key)
         self._count(record)
         await self.ledger.submit(record)
 
@@ -334,7 +356,9 @@ def _status(outcome: Outcome) -> int:
 
 
 def _record(req: InferenceRequest, state: CycleState, target: Endpoint, outcome: Outcome,
-            usage: Usage, priced: Cost | None) -> LedgerRecord:
+            usage: Usage, priced: Cost | None, session_key: bytes) -> LedgerRecord:
+    """The ledger record; the session key (tenant, model, session id) only as its keyed digest
+    (plugins/gateway_secret.py ``session_digest``)."""
     session = state.get(SESSION_KEY)
     money = cost_fields(priced)
     if priced is None:
@@ -346,7 +370,8 @@ def _record(req: InferenceRequest, state: CycleState, target: Endpoint, outcome:
         prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
         cache_write_tokens=usage.cache_write_tokens, outcome=outcome.kind.value,
         status=_status(outcome), ttft_s=outcome.ttft_s,
-        total_s=outcome.total_s, session=None if session is None else str(session),
+        total_s=outcome.total_s,
+        session=None if session is None else session_digest(session_key, str(session)),
         priced=priced is not None and outcome.usage is not None,
         client_request_id=req.client_request_id, service_tier=req.service_tier, **money,
     )

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 
 from engines.sim.config import KvEventsConfig, SimConfig
@@ -21,7 +22,11 @@ from engines.sim.testing import RunningSim, serve_sim
 from middleware.app import KvgateApp, create_app
 from middleware.config import parse_config
 from plugins.auth import hash_key, new_key
+from plugins.gateway_secret import SESSION_PURPOSE, GatewaySecret, session_digest
 from plugins.kv_events import KvEventsSubscriber
+from plugins.session_affinity import session_key
+from tests.integration.billing_helpers import billing_config, ledger_rows, long_chat, write_keys
+from tests.integration.conftest import gateway
 from tests.servers import free_port
 
 TENANTS = ("acme", "globex", "initech")
@@ -150,3 +155,36 @@ async def test_two_engines_prefix_routing_follows_the_salt(tmp_path: Path) -> No
         assert (engine, cached > 500) == (other, True)  # the group's blocks, found and routed
         predictions = await _predictions(client)
         assert not predictions.get("over") and not predictions.get("under"), predictions
+
+
+async def test_ledger_stores_session_ids_as_keyed_digests(fleet: list[RunningSim],
+                                                          tmp_path: Path) -> None:
+    """A session header's value never reaches the ledger: its record holds ``hs1:`` + the
+    HMAC of the session key with the gateway secret, which an operator recomputes."""
+    keys = write_keys(tmp_path)
+    secret = "x" * 40
+    data = billing_config([s.url for s in fleet], tmp_path, keys,
+                          plugins_before=[{"type": "session-affinity-scorer"}],
+                          secret_file=str(tmp_path / "none"), secret_env="TEST_KVGATE_SECRET")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TEST_KVGATE_SECRET", secret)
+        async with gateway(data) as (app, client):
+            for i, session in enumerate(("conv-private-1", "conv-private-1", "conv-private-2")):
+                resp = await client.post("/v1/chat/completions", json=long_chat(i), headers={
+                    **keys.auth("user"), "x-session-id": session, "x-request-id": f"s{i}"})
+                assert resp.status_code == 200
+            rows = await ledger_rows(app)
+    key = GatewaySecret(secret.encode(), "env").derive(SESSION_PURPOSE)
+    want = [session_digest(key, session_key("globex", "sim-model", s))
+            for s in ("conv-private-1", "conv-private-1", "conv-private-2")]
+    assert [rows[f"s{i}"].session for i in range(3)] == want
+    assert want[0] != want[2] and "none" not in _names(tmp_path)  # the env var was used
+    assert b"conv-private" not in _all_bytes(tmp_path)  # ledger, spool: never in clear
+
+
+def _names(root: Path) -> set[str]:
+    return {p.name for p in root.iterdir()}
+
+
+def _all_bytes(root: Path) -> bytes:
+    return b"".join(p.read_bytes() for p in root.rglob("*") if p.is_file())
