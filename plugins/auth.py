@@ -468,11 +468,15 @@ class _KeysCollector(Collector):
 
 
 def _connect(url: str, timeout_s: float) -> Any:
-    """A Redis client whose every call is bounded by ``timeout_s`` and not retried (the
-    watch loop tries again at its next poll)."""
+    """A Redis client whose every call is bounded by ``timeout_s``; a connection error is
+    retried once at once (a pooled connection gone stale across a Redis restart), a timeout
+    is not (the watch loop tries again at its next poll)."""
     from redis.asyncio import Redis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
     return Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                          retry_on_timeout=False)
+                          retry=Retry(NoBackoff(), 1), retry_on_error=[RedisConnectionError])
 
 
 @runtime_checkable
