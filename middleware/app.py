@@ -42,6 +42,7 @@ from middleware.metrics import GatewayMetrics
 from middleware.pipeline import build_pipeline
 from middleware.plugin import AsgiApp, HealthSource, HttpRequest, MetricsSource, authenticate
 from middleware.pool import EndpointPool
+from middleware.redact import public_view
 from middleware.registry import Registry
 from middleware.states import StateMap, StateMapCollector
 
@@ -152,7 +153,7 @@ class KvgateApp:
                 raise MethodNotAllowed(f"{method} is not allowed on {path}")
             if path == "/health":
                 _require(method, "GET")
-                await self._health(send)
+                await self._health(send, header_map(scope))
             elif path == "/metrics":
                 _require(method, "GET")
                 await send_bytes(send, 200, self.metrics.render(), [_PROMETHEUS_CT])
@@ -185,7 +186,9 @@ class KvgateApp:
                *((k.encode(), v.encode()) for k, v in resp.headers.items())]
         await send_bytes(send, resp.status, resp.body, out)
 
-    async def _health(self, send: Send) -> None:
+    async def _health(self, send: Send, headers: dict[str, str]) -> None:
+        """Engines and plugin sections; without an admin key, no engine URL, socket address or
+        host name (middleware/redact.py): the endpoint is unauthenticated."""
         engines = self.pool.status()
         healthy = sum(1 for e in engines if e["healthy"])
         status = 200 if healthy else 503
@@ -196,7 +199,19 @@ class KvgateApp:
         sections = self._plugin_health()
         if sections:
             body["plugins"] = sections
-        await send_json(send, status, body)
+        await send_json(send, status, body if self._is_admin(headers) else public_view(body))
+
+    def _is_admin(self, headers: dict[str, str]) -> bool:
+        """The request carries a valid admin key (an authenticator's principal with ``admin``
+        true; auth switched off counts). Never raises: a bad key just gets the public view."""
+        auth = self.pipeline.authenticator
+        if auth is None or not ({"authorization", "x-api-key"} & headers.keys()):
+            return False
+        try:
+            principal = authenticate(auth, headers)
+        except HTTPError:
+            return False
+        return getattr(principal, "admin", False) is True
 
     def _plugin_health(self) -> dict[str, object]:
         """``HealthSource`` plugins' sections by plugin name (empty ones left out)."""

@@ -18,6 +18,7 @@ import orjson
 from middleware.asgi import Send
 from middleware.context import Attempt
 from middleware.errors import UpstreamError, UpstreamHTTPError
+from middleware.redact import scrub
 from middleware.sse import EventRelay
 
 
@@ -35,8 +36,8 @@ async def open_request(
     except TimeoutError:
         raise UpstreamError(f"engine did not answer within {timeout.total} s", status=504) from None
     except aiohttp.ClientError as exc:
-        raise UpstreamError(
-            f"cannot reach engine: {type(exc).__name__}: {exc}",
+        raise UpstreamError(  # the client sees it: no engine address (middleware/redact.py)
+            f"cannot reach engine: {type(exc).__name__}: {scrub(str(exc))}",
             unreachable=isinstance(exc, aiohttp.ClientConnectionError),
         ) from None
     if resp.status < 400:
@@ -82,7 +83,8 @@ async def first_chunk(resp: aiohttp.ClientResponse) -> bytes:
         chunk = await resp.content.readany()
     except (aiohttp.ClientError, TimeoutError) as exc:
         resp.release()
-        raise UpstreamError(f"engine stream failed before its first byte: {exc}") from None
+        raise UpstreamError(
+            f"engine stream failed before its first byte: {scrub(str(exc))}") from None
     if not chunk:
         resp.release()
         raise UpstreamError("engine closed the stream before its first byte")

@@ -188,3 +188,40 @@ def _names(root: Path) -> set[str]:
 
 def _all_bytes(root: Path) -> bytes:
     return b"".join(p.read_bytes() for p in root.rglob("*") if p.is_file())
+
+
+async def test_health_and_errors_show_no_engine_address_without_an_admin_key(
+        fleet: list[RunningSim], tmp_path: Path) -> None:
+    """/health keeps engine names and states for anyone; URLs, socket addresses and addresses
+    quoted in errors only for an admin key. A client's 502 does not quote the engine's address
+    either."""
+    keys = write_keys(tmp_path)  # admin: acme admin key; user: globex
+    dead = f"http://127.0.0.1:{free_port()}"
+    data = billing_config([*(s.url for s in fleet), dead], tmp_path, keys)
+    data["server"] = {"retries": 0}
+    async with gateway(data) as (_, client):
+        for _ in range(40):  # until the dead engine's probe failed
+            body = (await client.get("/health")).json()
+            if any(e["last_error"] for e in body["engines"]):
+                break
+            await asyncio.sleep(0.05)
+        for headers in ({}, keys.auth("user"), {"authorization": "Bearer kvg-wrong"}):
+            public = await client.get("/health", headers=headers)
+            assert public.status_code == 200
+            assert "127.0.0.1" not in public.text and "url" not in public.text
+            assert {e["name"] for e in public.json()["engines"]} == {"sim-0", "sim-1", "sim-2"}
+            assert any("<address>" in (e["last_error"] or "") for e in public.json()["engines"])
+        admin = (await client.get("/health", headers=keys.auth("admin"))).json()
+        assert {e["url"] for e in admin["engines"]} == {*(s.url for s in fleet), dead}
+        assert any("127.0.0.1" in (e["last_error"] or "") for e in admin["engines"])
+        models = await client.get("/v1/models")
+        assert "127.0.0.1" not in models.text
+    direct = {"engines": [{"name": "e", "url": dead}], "plugins": [], "profiles": [
+        {"name": "default", "plugins": [{"ref": "p"}]}]}
+    direct["plugins"] = [{"type": "max-score-picker", "name": "p"}]
+    direct["server"] = {"retries": 0}
+    direct["pool"] = {"startup_probe_timeout_s": 0}
+    async with gateway(direct) as (_, client):
+        resp = await client.post("/v1/chat/completions", json=long_chat())
+        assert resp.status_code == 502 and "127.0.0.1" not in resp.text, resp.text
+        assert "cannot reach engine" in resp.text
