@@ -40,6 +40,11 @@ and gives the engine with the lowest ``J`` score 1, the others ``1 - (J - J_min)
   a fleet-turnover ago has mostly been evicted, and an idle fleet (which evicts nothing) keeps
   its pressures. The signal is therefore the same at any request rate or trace speed-up.
 
+Several replicas (``redis_url`` on the token-load scorer named by ``load``): each replica's
+charged insertions are shared with the others through Redis every ``share_interval_s`` and
+added to their ledgers, so every replica's pressure counts the whole fleet's insertions (a
+replica alone would see only the requests it routed: a noisier sample of the same rates).
+
 Insertions are charged at dispatch from what the scheduler knew (``miss`` on the engine that
 prefills, the prompt minus its hit on a decode engine that receives transferred KV, plus the
 expected output, whose full blocks the engine caches too).
@@ -47,10 +52,11 @@ expected output, whose full blocks the engine caches too).
 Inputs: ``PREFIX_MATCH`` (precise or approximate; optional: without it every engine misses
 everything and only pressure, queue and pin decide), ``TOKEN_IDS`` (prompt size),
 ``SESSION_KEY`` (optional; the pin is ``SESSION_PIN``, the shared session table's engine, when
-the session-affinity scorer has one from Redis, else this process's own), each engine's capacity from its ``/metrics``
-(``EngineMetrics.extra["kv_capacity_tokens"]``, vLLM's ``vllm:cache_config_info``) or the
-params, the token-load scorer's in-flight work (optional). Bounded state: one pressure entry
-per engine (dropped with it) and at most ``max_sessions`` session pins (least recently used
+the session-affinity scorer has one from Redis, else this process's own), each engine's
+capacity from its ``/metrics`` (``EngineMetrics.extra["kv_capacity_tokens"]``, vLLM's
+``vllm:cache_config_info``) or the params, the token-load scorer's in-flight work
+(optional). Bounded state: one pressure entry and one inserted-token total per engine (dropped
+with it) and at most ``max_sessions`` session pins (least recently used
 evicted first). Parameters and why their values: docs/plugins/placement.md.
 """
 
@@ -84,6 +90,7 @@ from middleware.types import (
     RoutingDecision,
     StateKey,
 )
+from plugins.shared_load import CounterShare
 from plugins.state import PREFIX_MATCH, SESSION_KEY, SESSION_PIN, PrefixMatch
 from plugins.token_load import (
     TokenLoadScorer,
@@ -134,6 +141,7 @@ class PlacementStats:
     pins_used: int = 0
     pins_evicted: int = 0
     inserted_tokens: int = 0
+    remote_inserted_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +221,10 @@ class KvPlacementScorer(Plugin, Scorer, DispatchHook, EndpointSetListener, Metri
             self.load = found
         self.ledger = InsertionLedger()
         self.stats = PlacementStats()
+        #: Tokens this replica charged per engine since start (shared with the other replicas)
+        self._inserted: dict[EndpointId, float] = {}
+        if self.load is not None:
+            self.load.share_counters(CounterShare(self._inserted.copy, self.add_remote))
         self._pins: OrderedDict[str, EndpointId] = OrderedDict()
         self._capacity: dict[EndpointId, int] = {}
 
@@ -299,11 +311,21 @@ class KvPlacementScorer(Plugin, Scorer, DispatchHook, EndpointSetListener, Metri
         half_life = self._half_life()
         for engine, tokens in inserted.items():
             self.ledger.add(engine, tokens, half_life)
+            self._inserted[engine] = self._inserted.get(engine, 0.0) + tokens
             self.stats.inserted_tokens += int(tokens)
         self._count(state.get(PLACEMENT), target)
         session = state.get(SESSION_KEY)
         if session is not None:
             self._pin(session, target)
+
+    def add_remote(self, inserted: Mapping[EndpointId, float]) -> None:
+        """The other replicas' insertions since the last exchange (shared through Redis by the
+        token-load scorer): every replica's pressure then counts the whole fleet's."""
+        half_life = self._half_life()
+        for engine, tokens in inserted.items():
+            if engine in self._capacity:
+                self.ledger.add(engine, tokens, half_life)
+                self.stats.remote_inserted_tokens += int(tokens)
 
     def _count(self, placement: Placement | None, target: EndpointId) -> None:
         if placement is None or target not in placement.costs:
@@ -337,6 +359,7 @@ class KvPlacementScorer(Plugin, Scorer, DispatchHook, EndpointSetListener, Metri
         for ep in removed:
             self.ledger.forget(ep.id)
             self._capacity.pop(ep.id, None)
+            self._inserted.pop(ep.id, None)
         gone = {ep.id for ep in removed}
         for session in [s for s, e in self._pins.items() if e in gone]:
             del self._pins[session]
@@ -364,6 +387,9 @@ class _PlacementCollector(Collector):
                                   value=s.stats.pins_evicted)
         yield CounterMetricFamily("kvgate_placement_inserted_tokens",
                                   "KV tokens charged as inserted", value=s.stats.inserted_tokens)
+        yield CounterMetricFamily("kvgate_placement_remote_inserted_tokens",
+                                  "KV tokens other replicas charged (shared through Redis)",
+                                  value=s.stats.remote_inserted_tokens)
         yield GaugeMetricFamily("kvgate_placement_sessions", "Session pins held",
                                 value=len(s._pins))
         pressure = GaugeMetricFamily(

@@ -6,10 +6,13 @@ its own :class:`plugins.token_load.LoadTracker` exact and synchronous, and every
 ``interval_s`` a background task:
 
 1. writes its per-engine totals as one JSON string ``<prefix>r:<replica id>`` with a TTL of
-   ``ttl_s`` (``SET ... PX``), registers the id in the sorted set ``<prefix>replicas`` (score:
+   ``ttl_s`` (``SET ... PX``) — and, when a plugin shares counters (:class:`CounterShare`:
+   placement's cumulative inserted tokens per engine), those as ``<prefix>c:<replica id>`` —
+   registers the id in the sorted set ``<prefix>replicas`` (score:
    the time in ms) and prunes ids older than ``ttl_s`` from it — one pipelined round trip;
 2. reads the other replicas' strings (``MGET``; an expired replica reads as nothing) and sums
-   them into :attr:`LoadExchange.remote`, a per-engine :class:`EngineLoad` snapshot.
+   them into :attr:`LoadExchange.remote`, a per-engine :class:`EngineLoad` snapshot; the
+   counters' growth since the previous round is handed to the sharing plugin.
 
 The scorers read ``local + remote`` synchronously: no Redis I/O on the scheduling path. The
 snapshot is at most ``interval_s`` + one round trip old; a replica that dies stops counting
@@ -94,6 +97,29 @@ def merge_loads(raws: list[Any]) -> dict[EndpointId, EngineLoad]:
     return {ep: EngineLoad(*v) for ep, v in total.items()}
 
 
+def parse_counters(raw: Any) -> dict[str, float] | None:
+    """``{"engine": cumulative value}`` as published, or None when missing or malformed."""
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    return {str(k): float(v) for k, v in doc.items()
+            if type(v) in (int, float) and v >= 0}
+
+
+@dataclass(frozen=True, slots=True)
+class CounterShare:
+    """Per-engine cumulative counters shared the same way (placement's inserted tokens):
+    ``local()`` is this replica's, ``remote(deltas)`` receives the others' growth each round."""
+
+    local: Callable[[], Mapping[EndpointId, float]]
+    remote: Callable[[Mapping[EndpointId, float]], None]
+
+
 @dataclass(slots=True)
 class ExchangeStats:
     """Rounds done and failed, replicas seen in the last round, replicas not read (cap)."""
@@ -112,6 +138,7 @@ class LoadExchange:
         self, client: RedisLoadClient, local: Callable[[], Mapping[EndpointId, EngineLoad]], *,
         prefix: str, interval_s: float, ttl_s: float, timeout_s: float, max_replicas: int,
         me: str | None = None, clock: Callable[[], float] = time.time,
+        counters: CounterShare | None = None,
     ) -> None:
         self._client = client
         self._local = local
@@ -126,9 +153,12 @@ class LoadExchange:
         self.stats = ExchangeStats()
         self._errors = _redis_errors()
         self._task: asyncio.Task[None] | None = None
+        self._counters = counters
+        #: per other replica, its counters as last read (deltas are taken against them)
+        self._seen: dict[str, dict[str, float]] = {}
 
-    def _key(self, replica: str) -> str:
-        return f"{self._prefix}r:{replica}"
+    def _key(self, replica: str, kind: str = "r") -> str:
+        return f"{self._prefix}{kind}:{replica}"
 
     async def exchange(self) -> None:
         """One round: publish, then read the others (errors drop the snapshot)."""
@@ -147,6 +177,9 @@ class LoadExchange:
         registry = self._prefix + "replicas"
         pipe = self._client.pipeline(transaction=False)
         pipe.set(self._key(self.me), encode_loads(self._local()), px=self._ttl_ms)
+        if self._counters is not None:
+            pipe.set(self._key(self.me, "c"), json.dumps(dict(self._counters.local())),
+                     px=self._ttl_ms)
         pipe.zadd(registry, {self.me: now_ms})
         pipe.pexpire(registry, self._ttl_ms * 10)
         pipe.zremrangebyscore(registry, "-inf", now_ms - self._ttl_ms)
@@ -155,9 +188,36 @@ class LoadExchange:
         members = [m.decode() if isinstance(m, bytes) else str(m) for m in replies[-1]]
         others = [m for m in members if m != self.me][: self._max_replicas]
         self.stats.skipped = max(0, len(members) - 1 - len(others))
-        raws = await self._client.mget([self._key(m) for m in others]) if others else []
-        self.stats.replicas = sum(raw is not None for raw in raws)
-        self.remote = merge_loads(list(raws))
+        keys = [self._key(m) for m in others]
+        if self._counters is not None:
+            keys += [self._key(m, "c") for m in others]
+        raws = list(await self._client.mget(keys)) if keys else []
+        loads = raws[:len(others)]
+        self.stats.replicas = sum(raw is not None for raw in loads)
+        self.remote = merge_loads(loads)
+        if self._counters is not None:
+            self._share_counters(others, raws[len(others):], self._counters)
+
+    def _share_counters(self, others: list[str], raws: list[Any], share: CounterShare) -> None:
+        """Hand the growth of the other replicas' counters since the last round to ``share``;
+        a replica seen for the first time only sets its baseline."""
+        deltas: dict[EndpointId, float] = {}
+        seen: dict[str, dict[str, float]] = {}
+        for replica, raw in zip(others, raws, strict=True):
+            current = parse_counters(raw)
+            if current is None:
+                continue
+            seen[replica] = current
+            before = self._seen.get(replica)
+            if before is None:
+                continue
+            for ep, value in current.items():
+                grown = value - before.get(ep, 0.0)
+                if grown > 0:
+                    deltas[ep] = deltas.get(ep, 0.0) + grown
+        self._seen = seen
+        if deltas:
+            share.remote(deltas)
 
     def _failed(self, exc: BaseException) -> None:
         self.stats.errors += 1

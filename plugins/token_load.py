@@ -81,7 +81,7 @@ from middleware.types import (
     RoutingDecision,
     StateKey,
 )
-from plugins.shared_load import LoadCollector, LoadExchange, connect
+from plugins.shared_load import CounterShare, LoadCollector, LoadExchange, connect
 from plugins.state import PREFIX_MATCH, TOKEN_IDS, PrefixMatch
 
 
@@ -363,6 +363,12 @@ class TokenLoadScorer(
         self._ticket: StateKey[int] = StateKey(f"{name}/ticket")
         #: The other replicas' load (with ``redis_url``, once started).
         self.shared: LoadExchange | None = None
+        self._counters: CounterShare | None = None
+
+    def share_counters(self, share: CounterShare) -> None:
+        """Exchange a plugin's per-engine counters with the other replicas too (placement's
+        inserted tokens); called at construction, effective with ``redis_url``."""
+        self._counters = share
 
     def load(self, endpoint: EndpointId) -> EngineLoad:
         """In-flight load on an engine: this replica's plus the others' last published."""
@@ -445,7 +451,7 @@ class TokenLoadScorer(
             connect(self.p.redis_url.get_secret_value(), self.p.redis_timeout_s),
             self.tracker.loads, prefix=self.p.key_prefix, interval_s=self.p.share_interval_s,
             ttl_s=self.p.share_ttl_s, timeout_s=self.p.redis_timeout_s,
-            max_replicas=self.p.max_replicas)
+            max_replicas=self.p.max_replicas, counters=self._counters)
         self.shared.start()
 
     async def stop(self) -> None:
