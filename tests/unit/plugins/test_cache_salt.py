@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from middleware.cli import main
 from middleware.errors import ConfigError
 from middleware.types import CycleState, InferenceRequest
 from plugins.auth import ApiKey
@@ -26,6 +27,7 @@ from plugins.gateway_secret import (
 )
 from plugins.kv_hashing import request_extra_keys
 from plugins.kv_index import KvIndex
+from plugins.session_affinity import session_key
 from plugins.state import CACHE_SALT
 
 FIXTURE = json.loads(Path(__file__).with_name("vllm_salt_fixture.json").read_text())
@@ -202,3 +204,21 @@ def test_index_matches_a_salted_prompt_only_with_its_salt(case: dict[str, Any]) 
                                    cache_salt=other["cache_salt"])
         same = (other["cache_salt"], other["lora"]) == (case["cache_salt"], case["lora"])
         assert found == ({"e0": (n * size, 0)} if same else {})
+
+
+# -- kvgate isolation (the operator's side) ---------------------------------------------------
+def test_cli_recomputes_what_the_gateway_derives(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("KVGATE_SECRET", "s" * 40)
+    assert main(["isolation", "session-digest", "--tenant", "acme", "--model", "m",
+                 "conv-1"]) == 0
+    want = session_digest(SECRET.derive(SESSION_PURPOSE), session_key("acme", "m", "conv-1"))
+    assert capsys.readouterr().out.strip() == want
+    assert main(["isolation", "salt", "--group", "public"]) == 0
+    assert capsys.readouterr().out.strip() == derive_salt(SECRET.derive(CACHE_SALT_PURPOSE),
+                                                          "group\x00public")
+    monkeypatch.delenv("KVGATE_SECRET")
+    assert main(["isolation", "salt", "--tenant", "acme", "--secret-file",
+                 str(tmp_path / "absent")]) == 2  # never creates a secret
+    assert "no gateway secret" in capsys.readouterr().err
+    assert not (tmp_path / "absent").exists()
