@@ -365,11 +365,14 @@ class ApiKeys(Plugin, Authenticator, PrincipalLookup, RequestHook, Lifecycle, As
         last_files = time.monotonic()
         while True:
             await asyncio.sleep(tick)
-            if self.redis is not None:
-                await self._poll_redis(first=False)
-            if time.monotonic() - last_files >= self.p.watch_interval_s - tick / 2:
-                last_files = time.monotonic()
-                await self._poll_files()
+            try:
+                if self.redis is not None:
+                    await self._poll_redis(first=False)
+                if time.monotonic() - last_files >= self.p.watch_interval_s - tick / 2:
+                    last_files = time.monotonic()
+                    await self._poll_files()
+            except Exception:  # a bug in one reload must not end the watch for good
+                log.exception("api-keys: watch loop error (the next poll tries again)")
 
     async def _poll_files(self) -> None:
         if self.redis is None and self.file_store is not None:
@@ -386,9 +389,9 @@ class ApiKeys(Plugin, Authenticator, PrincipalLookup, RequestHook, Lifecycle, As
     async def _poll_redis(self, first: bool) -> None:
         assert self.redis is not None
         try:
-            if first and await self.redis.seed(self.seed):
-                log.info("api-keys: seeded Redis with %d keys from %s",
-                         len(self.seed.keys), self.p.file or "nothing")
+            if first and self.p.file is not None and await self.redis.seed(self.seed):
+                log.info("api-keys: seeded Redis with %d keys from %s", len(self.seed.keys),
+                         self.p.file)
             version, reload_count = await self.redis.tokens()
         except self._errors as exc:
             self.status.failed_with(f"Redis unavailable ({type(exc).__name__}): serving the "
