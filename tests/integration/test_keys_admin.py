@@ -6,6 +6,7 @@ the last good version kept on a bad edit, and schemathesis over the app's own Op
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -236,8 +237,6 @@ async def test_catalog_and_prices_reload_on_change_and_admin_call(gw: Gw) -> Non
 
 def test_admin_api_fuzz_no_5xx_and_openai_shaped_errors(tmp_path: Path) -> None:
     """Schemathesis over /v1/admin/openapi.json, a bounded derandomised number of examples."""
-    import asyncio
-
     import schemathesis
     from hypothesis import HealthCheck, given, settings
 
@@ -269,3 +268,48 @@ def test_admin_api_fuzz_no_5xx_and_openai_shaped_errors(tmp_path: Path) -> None:
                  suppress_health_check=list(HealthCheck))(
             given(case=operation.as_strategy())(check))()
     assert KeysFile.model_validate(yaml.safe_load((tmp_path / "keys.yaml").read_text()))
+
+
+async def test_keys_cli_over_the_admin_api(fleet: list[RunningSim], tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvgate keys`` (middleware.cli.main, in a thread) against the gateway on a real port;
+    the admin key from ``$KVGATE_ADMIN_KEY``."""
+    from middleware.cli import main
+    from tests.servers import serve_asgi
+
+    async def cli(*argv: str) -> tuple[int, str, str]:
+        code = await asyncio.to_thread(main, ["keys", *argv])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    async with admin_gateway(fleet, tmp_path) as gw, serve_asgi(gw.app) as url:
+        monkeypatch.setenv("KVGATE_ADMIN_KEY", ADMIN)
+        base = ["--base-url", url + "/v1"]
+        code, secret, err = await cli("create", "--tenant", "acme", "--id", "cli-1", *base)
+        assert code == 0 and secret.strip().startswith("kvg-") and "cli-1" in err
+        assert await gw.works(secret.strip())
+        code, rotated, _ = await cli("rotate", "cli-1", "--grace-s", "60", *base)
+        assert code == 0 and await gw.works(rotated.strip()) and await gw.works(secret.strip())
+        code, out, _ = await cli("set-limits", "cli-1", "--requests-per-min", "7",
+                                 "--budget-usd", "2.5", *base)
+        assert code == 0 and json.loads(out)["limits"]["requests_per_min"] == 7
+        code, out, _ = await cli("set-limits", "--tenant", "acme", "--max-concurrent", "3",
+                                 *base)
+        assert code == 0 and json.loads(out)["limits"]["max_concurrent"] == 3
+        principal = gw.keys.principal_for("cli-1")
+        assert principal is not None and principal.budget_usd == Decimal("2.5")
+        assert (principal.limits.requests_per_min, principal.tenant_limits.max_concurrent) == (
+            7, 3)
+        code, out, _ = await cli("reload", *base)
+        assert code == 0 and json.loads(out)["reloaded"] == {"keys": True, "catalog": True}
+        code, _, _ = await cli("revoke", "cli-1", *base)
+        assert code == 0 and not await gw.works(rotated.strip())
+        code, out, _ = await cli("list", "--tenant", "acme", *base)
+        assert code == 0 and [line.split()[:3] for line in out.splitlines()[1:]] == [
+            ["user-1", "acme", "active"], ["cli-1", "acme", "revoked"]]
+        assert secret.strip() not in out and rotated.strip() not in out
+        code, _, err = await cli("revoke", "user-1", *base, "--api-key", USER)  # not an admin
+        assert code == 1 and "admin_key_required" in err
+        code, _, err = await cli("list", "--base-url", "http://127.0.0.1:9")
+        assert code == 2 and "cannot reach" in err
