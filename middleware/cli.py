@@ -41,7 +41,7 @@ def serve_config(config: GatewayConfig, workers: int = 1) -> int:
     import uvicorn
 
     from middleware.app import create_app
-    from middleware.workers import CONFIG_ENV, check_workers, serialize
+    from middleware.workers import CONFIG_ENV, WORKERS_ENV, check_workers, serialize
 
     configure_logging(config.server.log_level)
     check_workers(config, workers)
@@ -49,6 +49,7 @@ def serve_config(config: GatewayConfig, workers: int = 1) -> int:
     if workers > 1:
         app = "middleware.workers:worker_app"
         os.environ[CONFIG_ENV] = serialize(config)  # inherited by the spawned workers only
+        os.environ[WORKERS_ENV] = str(workers)
     uvicorn.run(
         app, factory=workers > 1, workers=workers, host=config.server.host,
         port=config.server.port, loop="uvloop", http="httptools", lifespan="on",

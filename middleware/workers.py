@@ -13,20 +13,30 @@ What several processes change (docs/operations.md, "Topology"):
   can be bound by one process only: with workers, the engines must bind and every worker
   connects (``--kv-events``); :func:`check_workers` refuses the config otherwise.
 * ``/metrics`` and ``/health`` answer for the worker that accepted the connection.
+* Per-process files: each worker claims a slot ``i`` (the first free ``flock`` of
+  ``.kvgate/worker-<i>.lock``; a dead worker's slot is freed by the kernel) and every plugin
+  param named ``spool`` (a directory one process locks, e.g. the ledger's) gets the suffix
+  ``.worker-<i>`` for slots above 0, so worker 0 keeps the single-process path and a
+  restarted worker replays its predecessor's spool. Shared files (SQLite in WAL mode) stay
+  shared.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
+from pathlib import Path
 
 from middleware.config import GatewayConfig, parse_config
 from middleware.errors import ConfigError
+from middleware.registry import Registry
 
 log = logging.getLogger("kvgate.workers")
 
 CONFIG_ENV = "KVGATE_WORKER_CONFIG"
+WORKERS_ENV = "KVGATE_WORKERS"
 
 
 def check_workers(config: GatewayConfig, workers: int) -> None:
@@ -62,6 +72,42 @@ def worker_config() -> GatewayConfig:
     return parse_config(doc["data"], doc["source"])
 
 
+#: Plugin params naming a directory that one process locks: made per worker (module docstring).
+PER_PROCESS_PARAMS = ("spool",)
+
+
+def claim_slot(workers: int, directory: Path) -> int:
+    """The first free worker slot: an exclusive ``flock`` on a descriptor left open until the
+    process exits (the kernel then frees the slot)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for slot in range(workers):
+        fd = os.open(directory / f"worker-{slot}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return slot
+    raise ConfigError(f"all {workers} worker slots in {directory} are taken")
+
+
+def per_worker(config: GatewayConfig, slot: int, registry: Registry) -> GatewayConfig:
+    """``config`` with every per-process param (:data:`PER_PROCESS_PARAMS`) suffixed by the
+    slot (slot 0: unchanged)."""
+    if slot == 0:
+        return config
+    data = config.model_dump(exclude={"source"})
+    for plugin in data["plugins"]:
+        cls = registry.plugin_class(plugin["type"])
+        fields = cls.Params.model_fields if cls is not None else {}
+        for name in PER_PROCESS_PARAMS:
+            if name in fields:
+                base = plugin["params"].get(name, fields[name].default)
+                if isinstance(base, str):
+                    plugin["params"][name] = f"{base}.worker-{slot}"
+    return parse_config(data, config.source)
+
+
 def worker_app() -> object:
     """uvicorn factory of one worker: the gateway app of the handed-over config."""
     from middleware.app import create_app
@@ -69,4 +115,8 @@ def worker_app() -> object:
 
     config = worker_config()
     configure_logging(config.server.log_level)
-    return create_app(config)
+    workers = int(os.environ.get(WORKERS_ENV, "1"))
+    registry = Registry.from_entry_points()
+    slot = claim_slot(workers, Path(".kvgate"))
+    log.info("worker slot %d of %d (pid %d)", slot, workers, os.getpid())
+    return create_app(per_worker(config, slot, registry), registry)
