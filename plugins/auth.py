@@ -96,6 +96,8 @@ API_KEY: StateKey[ApiKey] = StateKey("api-key")
 LOCAL = ApiKey(key_id="local", tenant="local", models=None, admin=True, budget_usd=None)
 #: Where the admin API is mounted (plugins/keys_admin.py).
 ADMIN_PREFIX = "/v1/admin"
+#: ``reload``'s default: the catalog's and billing's default instance names.
+DEFAULT_RELOAD = ("catalog", "billing")
 
 
 def bearer(value: str | None) -> str | None:
@@ -163,9 +165,10 @@ class ApiKeys(Plugin, Authenticator, PrincipalLookup, RequestHook, Lifecycle, As
         poll_interval_s: float = Field(0.5, gt=0, le=60)
         #: File watch (s): stat of the keys file and of the ``reload`` plugins' files.
         watch_interval_s: float = Field(1.0, gt=0, le=3600)
-        #: Plugins whose files are reloaded on change and on POST /v1/admin/reload
-        #: (catalog, billing); any plugin implementing plugins.reload.Reloadable.
-        reload: tuple[str, ...] = ()
+        #: Plugins whose files are reloaded on change and on POST /v1/admin/reload (any
+        #: plugins.reload.Reloadable); None: those named ``catalog`` and ``billing`` (their
+        #: default names) when declared; []: none.
+        reload: tuple[str, ...] | None = None
         #: Mount the admin API at /v1/admin (admin keys only).
         admin_api: bool = True
 
@@ -334,9 +337,16 @@ class ApiKeys(Plugin, Authenticator, PrincipalLookup, RequestHook, Lifecycle, As
     async def start(self) -> None:
         if self.disabled:
             return
-        for name in self.p.reload:
-            target = self._plugins.lookup(name)
+        for name in DEFAULT_RELOAD if self.p.reload is None else self.p.reload:
+            try:
+                target = self._plugins.lookup(name)
+            except ConfigError:
+                if self.p.reload is None:
+                    continue  # not declared: nothing to reload
+                raise
             if not isinstance(target, Reloadable):
+                if self.p.reload is None:
+                    continue
                 raise ConfigError(f"reload: plugin {name!r} cannot reload its files")
             self.reloaders.append(FileReloader(name, target))
         if self.file_store is not None:

@@ -35,9 +35,9 @@ price book (``prices`` param, the billing plugin's file); ``cached_tokens_discou
 whether the cached-input price is below the input price. State: the parsed file (bounded by
 it); nothing grows per request.
 
-Reload (plugins/reload.py): with ``api-keys``' ``reload: [<this plugin>]`` the catalog file and
-its price book are re-read when they change (polled about every second) or on
-``POST /v1/admin/reload`` (every replica). A new version is validated like at startup and
+Reload (plugins/reload.py): with ``api-keys`` (its ``reload`` names ``catalog`` by default)
+the catalog file and its price book are re-read when they change (polled about every second)
+or on ``POST /v1/admin/reload`` (every replica). A new version is validated like at startup and
 checked against the same gateway config (engines, profiles, installed backends; a backend kind
 not started with the gateway needs a restart); a bad one is refused and the last good catalog
 keeps serving (WARNING, ``/health``, ``kvgate_config_reloads``).

@@ -87,7 +87,7 @@ async def admin_gateway(sims: list[RunningSim], tmp: Path) -> AsyncIterator[Gw]:
     data["plugins"] = [
         {"type": "catalog", "params": {"file": str(catalog), "prices": str(prices)}},
         {"type": "api-keys", "params": {"file": str(keys), "catalog": "catalog",
-                                        "watch_interval_s": 0.05, "reload": ["catalog"]}},
+                                        "watch_interval_s": 0.05}},  # reload: the default
         *data["plugins"]]
     async with gateway(data) as (app, client):
         yield Gw(app, client, tmp)
