@@ -59,3 +59,36 @@ async def test_reload_checks_against_the_gateway_config(tmp_path: Path, case: st
         assert reloader.status.error is not None and error in reloader.status.error
         assert catalog.canonical("sim") == "sim-model" and catalog.canonical("new") is None
         assert [e.name for e in catalog.file.models] == ["sim-model"]  # the last good one
+
+
+class _NoPlugins:
+    def lookup(self, name: str) -> object:
+        raise AssertionError(name)
+
+
+async def test_billing_price_book_reload_keeps_the_last_good(tmp_path: Path) -> None:
+    import datetime as dt
+    from decimal import Decimal
+
+    from plugins.billing import Billing
+
+    prices = tmp_path / "prices.yaml"
+    prices.write_text("models:\n  m: {input_per_mtok: '1', output_per_mtok: '2'}\n")
+    billing = Billing("billing", Billing.Params(prices=str(prices), auth=None,
+                                                ledger=f"sqlite://{tmp_path}/l.sqlite"),
+                      _NoPlugins())
+    reloader = FileReloader("billing", billing)
+    now = dt.datetime.now(dt.UTC)
+
+    def output_per_mtok() -> Decimal:
+        price = billing.book.price("m", now)
+        assert price is not None
+        return price.output * 1_000_000
+    for text, expected, failing in [
+            ("models:\n  m: {input_per_mtok: '1', output_per_mtok: '3'}\n", 3, False),
+            ("models:\n  m: {input_per_mtok: '-1', output_per_mtok: '9'}\n", 3, True),
+            ("models: [\n", 3, True),
+            ("models:\n  m: {input_per_mtok: '1', output_per_mtok: '4'}\n\n", 4, False)]:
+        prices.write_text(text)
+        await reloader.poll()
+        assert (output_per_mtok(), reloader.status.error is not None) == (Decimal(expected), failing)
