@@ -89,6 +89,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.config and (args.kv_events or args.kv_events_bind or args.tokenizer):
         raise ConfigError("--kv-events, --kv-events-bind and --tokenizer are quick-start flags: "
                           "with --config, set them in the file (docs/config.md)")
+    if args.workers > 1 and args.kv_events_bind:
+        raise ConfigError("--kv-events-bind binds one address, which one process only can do: "
+                          "with --workers > 1 let the engines bind and give --kv-events ADDR "
+                          "per engine (every worker connects to each)")
     if quick:
         config = quick_start_config(quick_start(args))
     else:
@@ -100,10 +104,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = with_billing(config, prices=args.prices, ledger=args.ledger, keys=args.keys)
     config = with_quotas(config)
     config = with_shared_state(config, args.redis)
-    if args.workers > 1 and args.kv_events_bind:
-        raise ConfigError("--kv-events-bind binds one address, which one process only can do: "
-                          "with --workers > 1 let the engines bind and give --kv-events ADDR "
-                          "per engine (every worker connects to each)")
     return serve_config(config, args.workers)
 
 

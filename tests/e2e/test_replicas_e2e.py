@@ -186,3 +186,39 @@ def _outage_keeps_serving(gws: list[str]) -> None:
         assert list(down.values()) == [1.0]
         assert httpx.get(base + "/health", timeout=10).status_code == 200
         complete(base, document(100 + i, 1), f"after-outage-{i}")
+
+
+def test_workers_share_one_port_and_route_as_one(tmp_path: Path) -> None:
+    """``--workers 2 --redis``: both workers answer on one port and see each other's load."""
+    redis = RedisServer()
+    redis.start()
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        with sims(tmp_path) as engines, running_process(
+                [KVGATE, "serve", "--port", str(port), "--workers", "2", "--redis", redis.url,
+                 *[a for url in engines for a in ("--engine", url)]],
+                base + "/v1/models", log=tmp_path / "workers.log", cwd=tmp_path, limit_s=90):
+            def each_sees_the_other() -> bool:
+                for _ in range(6):  # new connections: either worker may accept each
+                    with httpx.Client() as fresh:
+                        section = fresh.get(base + "/health", timeout=10).json()["plugins"]
+                    if section["token-load-scorer"].get("other_replicas") != 1:
+                        return False
+                return True
+
+            wait_for(each_sees_the_other, "every worker sees one other", limit_s=60)
+            log = (tmp_path / "workers.log").read_text()
+            assert "worker slot 0 of 2" in log and "worker slot 1 of 2" in log
+            assert complete(base, document(0, 0), "w") in {f"engine-{i}" for i in range(ENGINES)}
+    finally:
+        redis.stop()
+
+
+def test_workers_refuse_a_gateway_bound_event_socket() -> None:
+    done = subprocess.run(
+        [KVGATE, "serve", "--engine", "http://127.0.0.1:9", "--workers", "2",
+         "--kv-events-bind", f"tcp://127.0.0.1:{free_port()}"],
+        capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2
+    assert "--kv-events-bind" in done.stderr and "--workers" in done.stderr
