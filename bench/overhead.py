@@ -38,6 +38,12 @@ LARGE_BODY = 200 * 1024
 TARGET_ADDED_P50_MS = 1.0
 TARGET_ADDED_P99_MS = 5.0
 TARGET_RPS_SHARE = 0.5
+#: Issue 12 item 5 (agent-sized bodies, cache-aware default): kvgate's req/s per core as a share
+#: of vllm-router's, per body size, closed loop, non-streaming.
+TARGET_PER_CORE_SHARE = {SMALL_BODY: 0.3, LARGE_BODY: 0.5}
+#: An open-loop cell counts as not saturated when it completes at least this share of the
+#: offered rate without errors.
+UNSATURATED_SHARE = 0.95
 
 
 @dataclass(frozen=True)
@@ -166,6 +172,50 @@ def check_targets(med: Medians) -> dict[str, Any]:
     }
 
 
+def per_core_targets(med: Medians, large_bytes: int, rate: float) -> dict[str, Any]:
+    """Issue 12 item 5: kvgate's req/s per core vs vllm-router's at 1 KiB and the large size
+    (closed loop, JSON; by req/s and by CPU µs per request), and whether kvgate keeps up with
+    the open-loop rate at the large size (None where not measured)."""
+    out: dict[str, Any] = {}
+    for size, need in ((SMALL_BODY, TARGET_PER_CORE_SHARE[SMALL_BODY]),
+                       (large_bytes, TARGET_PER_CORE_SHARE[LARGE_BODY])):
+        label = Cell(False, size, "closed").label
+        by_rps = ratio(harness.get(med, KVGATE, label, "rps"),
+                       harness.get(med, VLLM_ROUTER, label, "rps"))
+        by_cpu = ratio(harness.get(med, VLLM_ROUTER, label, "cpu_us_per_req"),
+                       harness.get(med, KVGATE, label, "cpu_us_per_req"))
+        out[label] = {"need": need, "share_by_rps": by_rps, "share_by_cpu": by_cpu,
+                      "pass": None if by_rps is None else by_rps >= need}
+    open_label = Cell(False, large_bytes, "open").label
+    rps = harness.get(med, KVGATE, open_label, "rps")
+    errors = harness.get(med, KVGATE, open_label, "errors")
+    out[open_label] = {
+        "offered_rps": rate, "rps": rps, "errors": errors,
+        "p50_ms": harness.get(med, KVGATE, open_label, "p50_ms"),
+        "unsaturated": None if rps is None or errors is None
+        else rps >= UNSATURATED_SHARE * rate and errors == 0,
+    }
+    return out
+
+
+def per_core_text(checks: Mapping[str, Any]) -> str:
+    """One line per issue-12 item-5 check."""
+    lines = []
+    for label, check in checks.items():
+        if "need" in check:
+            verdict = "n/a" if check["pass"] is None else ("PASS" if check["pass"] else "FAIL")
+            lines.append(f"- {label}: req/s per core vs vllm-router {fmt(check['share_by_rps'])} "
+                         f"(by CPU µs/req {fmt(check['share_by_cpu'])}), need >= "
+                         f"{check['need']:g} -> {verdict}")
+        else:
+            flag = check["unsaturated"]
+            verdict = "n/a" if flag is None else ("not saturated" if flag else "SATURATED")
+            lines.append(f"- {label} at {check['offered_rps']:g} req/s offered: "
+                         f"{fmt(check['rps'], 0)} req/s, p50 {fmt(check['p50_ms'])} ms, "
+                         f"{fmt(check['errors'], 0)} errors -> {verdict}")
+    return "\n".join(lines)
+
+
 def targets_text(targets: Mapping[str, Any]) -> str:
     """One line per target."""
     def verdict(flag: object) -> str:
@@ -228,7 +278,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     med = harness.medians(measurements)
     measured = [s for s in opts.systems if s in med]
     targets = check_targets(med)
-    write_json(opts, measurements, med, failed, {"targets": targets, **extra})
+    large = max(c.body_bytes for c in opts.cells)
+    per_core = per_core_targets(med, large, opts.cfg.rate)
+    write_json(opts, measurements, med, failed,
+               {"targets": targets, "per_core_targets": per_core, **extra})
     print(f"\n## Medians of {opts.cfg.trials} trial(s)\n")
     baselines = [s for s in (DIRECT, VLLM_ROUTER, SGLANG_ROUTER) if s in measured]
     subject = KVGATE if KVGATE in measured else None
@@ -238,6 +291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if KVGATE in measured:
         print("\n## kvgate targets (1 KiB non-streaming)\n")
         print(targets_text(targets))
+        print("\n## Agent-sized bodies (issue 12 item 5, cache-aware default)\n")
+        print(per_core_text(per_core))
     for name, why in failed.items():
         print(f"\n{name} did not start: {why}")
     if "profile" in extra:
