@@ -68,7 +68,7 @@ class SystemSpec:
     @property
     def engines_bind(self) -> bool:
         """Each engine binds its own KV-event socket and the gateways connect to it."""
-        return self.policy == "quickstart-connect"
+        return self.policy.startswith("quickstart-connect")
 
     @property
     def quick_start(self) -> bool:
@@ -88,6 +88,9 @@ SYSTEMS: Mapping[str, SystemSpec] = {s.name: s for s in (
     # the default behind a round-robin load balancer: 1 or 3 replicas sharing one Redis
     SystemSpec("kvgate-default-1r", "kvgate", "quickstart-connect"),
     SystemSpec("kvgate-default-3r", "kvgate", "quickstart-connect", replicas=3),
+    # the same without KV events (each replica's approximate record + the shared pins)
+    SystemSpec("kvgate-default-approx-1r", "kvgate", "quickstart-connect-approx"),
+    SystemSpec("kvgate-default-approx-3r", "kvgate", "quickstart-connect-approx", replicas=3),
     # the first tranche's documented profile (prefix 3 / load 2 / session 1 + imbalance filter)
     # and the same without its token-imbalance-filter
     SystemSpec("kvgate-v1-default", "kvgate", "v1-default"),
@@ -259,7 +262,9 @@ def _replicas_system(spec: SystemSpec, fleet: FleetSpec, logs: Path) -> Iterator
     from bench.replicas import replicas_running
 
     events = [f"tcp://*:{procs.free_port()}" for _ in range(fleet.engines)]
-    with fleet_running(fleet, events, logs) as urls, \
+    if not spec.uses_events:
+        events = []
+    with fleet_running(fleet, events or None, logs) as urls, \
             replicas_running(spec.replicas, urls, events, logs, MODEL) as bases:
         yield Running(bases[0], urls, tuple(bases))
 
