@@ -251,7 +251,7 @@ def with_quotas(config: GatewayConfig) -> GatewayConfig:
     It goes after the ``api-keys`` and ``billing`` plugins (it prices budgets with billing).
     """
     data = config.model_dump(exclude={"source"})
-    plugins: list[dict[str, Any]] = data["plugins"]
+    plugins: list[dict[str, Any]] = list(data["plugins"])
     types = [p["type"] for p in plugins]
     keyed = any(p["type"] == "api-keys" and p["params"].get("file")
                 and not p["params"].get("disabled") for p in plugins)
@@ -259,6 +259,7 @@ def with_quotas(config: GatewayConfig) -> GatewayConfig:
         return config
     after = max(i for i, t in enumerate(types) if t in ("api-keys", "billing"))
     plugins.insert(after + 1, {"type": "quotas", "params": {}})
+    data["plugins"] = plugins
     return parse_config(data, config.source)
 
 

@@ -5,6 +5,7 @@ responses here only, in the request's API shape (its adapter's ``error_body``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -143,8 +144,12 @@ class Gateway:
         except Exception:
             log.exception("unexpected error (request %s)", ctx.request_id)
             await self.send_error(ctx, internal_error(ctx.request_id))
-        if ctx.req is not None:
-            await self._request_end(ctx.req, ctx)
+        except asyncio.CancelledError:  # the server stops, or an in-process caller cancels
+            ctx.status = 499
+            raise
+        finally:
+            if ctx.req is not None:
+                await self._request_end(ctx.req, ctx)
         self.metrics.requests.labels(adapter.name, self._model_label(ctx), str(ctx.status)).inc()
         self.metrics.latency.labels(adapter.name).observe(time.monotonic() - ctx.received_at)
 
