@@ -233,6 +233,7 @@ class TokensApi:
         try:
             self._scale_out()
             body = check_fields(await read_body(request), _CHAT_FIELDS)
+            check_cache_salt(body.get("cache_salt"))  # vLLM renders a ChatCompletionRequest
             model = resolve_model(body.get("model"), self.config.served_model_names)
             try:
                 ids = chat_token_ids(body["messages"])
