@@ -153,7 +153,8 @@ class Quotas(Plugin, RequestHook, CompletionHook, RequestEndHook, Lifecycle, Met
         self.down_since: float | None = None  # monotonic time Redis went down
         self.retry_at = 0.0
         self.pending: deque[tuple[Ask, Settlement]] = deque(maxlen=params.max_pending_settlements)
-        self.counts: dict[str, int] = {"fallback_admissions": 0, "closed_rejections": 0,
+        self.counts: dict[str, int] = {"admissions_shared": 0, "admissions_local": 0,
+                                       "fallback_admissions": 0, "closed_rejections": 0,
                                        "redis_errors": 0, "settlements_dropped": 0,
                                        "settlements_replayed": 0, "seeds": 0}
         self.rejections: dict[tuple[str, str], int] = {}  # (dimension, scope kind)
@@ -176,6 +177,7 @@ class Quotas(Plugin, RequestHook, CompletionHook, RequestEndHook, Lifecycle, Met
         ask = Ask(req.request_id, scopes, req.prompt_token_estimate, output,
                   0 if cost is None else to_units(cost), math.ceil(self.p.lease_s * 1000))
         verdict, shared = await self._admit(ask)
+        self.counts["admissions_shared" if shared else "admissions_local"] += verdict.ok
         if not verdict.ok:
             rkey = (verdict.dimension, verdict.scope.partition(":")[0])
             self.rejections[rkey] = self.rejections.get(rkey, 0) + 1

@@ -53,6 +53,7 @@ def test_upsert_query_and_exact_money(pg: PgServer) -> None:
     assert [got[r.request_id] for r in records[50:]] == records[50:]
     total = sum((r.cost_total for r in got.values()), Decimal(0))
     assert sum(backend.spend_by_key().values()) == total
+    assert sum(backend.spend_by_tenant().values()) == total
     streamed = list(backend.iter_records(T0, T0 + dt.timedelta(days=1), batch=17))
     assert streamed == sorted((r for r in got.values() if r.ts < T0 + dt.timedelta(days=1)),
                               key=lambda r: (r.ts, r.request_id))

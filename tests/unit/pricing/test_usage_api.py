@@ -167,6 +167,9 @@ def test_sqlite_aggregation_agrees(tmp_path: Path) -> None:
     spend = backend.spend_by_key()
     assert spend == {k: sum((r.cost_total for r in records if r.key_id == k), Decimal(0))
                      for k in ("k1", "k2")}
+    tenants = {r.tenant for r in records}
+    assert backend.spend_by_tenant() == {
+        t: sum((r.cost_total for r in records if r.tenant == t), Decimal(0)) for t in tenants}
     assert len(list(backend.iter_records(T0, T0 + dt.timedelta(days=1), batch=7))) == len(
         [r for r in records if r.ts < T0 + dt.timedelta(days=1)])
     backend.close()
