@@ -220,11 +220,15 @@ class Quotas(Plugin, RequestHook, CompletionHook, RequestEndHook, Lifecycle, Met
         return self.local.admit_now(ask, now_ms), False
 
     async def _admit_shared(self, redis: RedisStore, ask: Ask, now_ms: int) -> Verdict:
-        try:
-            verdict = await redis.admit(ask, now_ms)
-        except Unseeded as missing:
-            await self._seed(redis, missing.scope)
-            verdict = await redis.admit(ask, now_ms)
+        """Admission through Redis, seeding each budgeted scope it lacks (key, then tenant)."""
+        for _ in range(len(ask.scopes)):
+            try:
+                verdict = await redis.admit(ask, now_ms)
+                break
+            except Unseeded as missing:
+                await self._seed(redis, missing.scope)
+        else:
+            verdict = await redis.admit(ask, now_ms)  # every scope seeded by now
         self._succeeded()
         return verdict
 

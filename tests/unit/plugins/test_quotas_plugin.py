@@ -27,7 +27,7 @@ from tests.servers import REDIS_SERVER, RedisServer, free_port
 
 pytest.importorskip("redis", reason="the 'redis' package is not installed (kvgate[redis])")
 
-BUDGETED = ApiKey("b", "acme", None, False, Decimal("1.00"))
+BUDGETED = ApiKey("b", "acme", None, False, Decimal("1.00"), tenant_budget_usd=Decimal("5"))
 LIMITED = ApiKey("l", "acme", None, False, None, Limits(requests_per_min=1000))
 FREE = ApiKey("f", "acme", None, False, None)
 
@@ -92,7 +92,7 @@ async def test_outage_fails_open_for_limits_and_closed_for_budgets(
     q, server = redis_quotas
     caplog.set_level(logging.WARNING, logger="kvgate.plugins.quotas")
     before = await _admit(q, BUDGETED, "before")  # admitted through Redis, settles later
-    assert q.counts["seeds"] == 1  # the budgeted key was seeded from the (empty) ledger
+    assert q.counts["seeds"] == 2  # the key and its tenant, seeded from the (empty) ledger
     server.stop()
     with pytest.raises(ServiceUnavailable) as closed:
         await _admit(q, BUDGETED, "during-b")
@@ -111,7 +111,7 @@ async def test_outage_fails_open_for_limits_and_closed_for_budgets(
     await until(replayed, 10)
     assert q.counts["settlements_replayed"] == 1
     await q.on_request_end(*await _admit(q, BUDGETED, "after"), 200)  # seeded again
-    assert q.counts["seeds"] == 2
+    assert q.counts["seeds"] == 4
     warnings = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
     assert len(warnings) == 1, warnings
     assert "redis://" not in caplog.text  # the URL (it may hold a password) is never logged
