@@ -41,13 +41,14 @@ from typing import ClassVar, Literal
 
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from middleware.errors import ConfigError
 from middleware.plugin import (
     DataProducer,
     DispatchHook,
     EndpointSetListener,
+    Lifecycle,
     Plugin,
     PluginLookup,
     Scorer,
@@ -67,6 +68,7 @@ from plugins import record_hash
 from plugins.kv_events import KvEventsSubscriber
 from plugins.kv_health import IndexHealth
 from plugins.kv_index import HashingError, KvIndex, chain_hashes, engine_of, request_extra_keys
+from plugins.shared_record import RecordShare, start_record_share
 from plugins.state import CACHE_SALT, PREFIX_MATCH, TOKEN_IDS, TOKEN_IDS_INEXACT, PrefixMatch
 
 log = logging.getLogger("kvgate.prefix_cache")
@@ -103,7 +105,9 @@ class _Check:
 _CHECK: StateKey[_Check] = StateKey("prefix-cache-check")
 
 
-class PrefixCacheProducer(Plugin, DataProducer, DispatchHook, UsageHook, EndpointSetListener):
+class PrefixCacheProducer(
+    Plugin, DataProducer, DispatchHook, UsageHook, EndpointSetListener, Lifecycle,
+):
     """Plugin ``prefix-cache-producer`` (see the module docstring and
     docs/plugins/prefix-cache.md).
 
@@ -153,6 +157,9 @@ class PrefixCacheProducer(Plugin, DataProducer, DispatchHook, UsageHook, Endpoin
         group_idx: int = Field(0, ge=0)
         #: auto: seconds an engine stays ``degraded`` before it is reported ``approximate``.
         fallback_after_s: float = Field(10.0, ge=0)
+        #: approximate / auto: share the record's insertions with the other replicas through
+        #: this Redis (default: ``shared_state.redis_url``; plugins/shared_record.py).
+        redis_url: SecretStr | None = None
 
     example_params: ClassVar[Mapping[str, object]] = {"mode": "approximate", "block_size": 64}
 
@@ -171,6 +178,8 @@ class PrefixCacheProducer(Plugin, DataProducer, DispatchHook, UsageHook, Endpoin
         self.record: KvIndex | None = None if params.mode == "precise" else KvIndex(
             params.capacity_blocks, params.engine_capacity_blocks, params.block_size)
         self._owns_health = source is None
+        #: The other replicas' record insertions (with ``redis_url``, once started).
+        self.shared: RecordShare | None = None
         self.states = IndexHealth(policy=params.mode) if source is None else source.health_state
         self.states.set_policy(params.mode, params.fallback_after_s)
         if source is None and params.mode == "auto":
@@ -215,7 +224,24 @@ class PrefixCacheProducer(Plugin, DataProducer, DispatchHook, UsageHook, Endpoin
 
     # -- observability (only when this producer owns the states: no kv-events plugin) --------
     def health(self) -> Mapping[str, object]:
-        return self.states.health() if self._owns_health else {}
+        own = self.states.health() if self._owns_health else {}
+        return {**own, **self.shared.health()} if self.shared is not None else own
+
+    # -- the record shared between replicas (plugins/shared_record.py) ------------------------
+    async def start(self) -> None:
+        if self.p.redis_url is None or self.record is None or self.shared is not None:
+            return
+        self.shared = start_record_share(self.p.redis_url.get_secret_value(), self._apply_shared)
+
+    async def stop(self) -> None:
+        shared, self.shared = self.shared, None
+        if shared is not None:
+            await shared.stop()
+
+    def _apply_shared(self, engine: EndpointId, hashes: list[int]) -> None:
+        if self.record is not None:
+            self.record.record(engine, hashes, self.clock() + self.p.record_ttl_s,
+                               block_size=self.p.block_size, group_idx=self.p.group_idx)
 
     def collector(self) -> Collector:
         """The states' metrics in mode auto without a kv-events plugin (every engine
@@ -369,6 +395,8 @@ class PrefixCacheProducer(Plugin, DataProducer, DispatchHook, UsageHook, Endpoin
             return
         self.record.record(ep.id, hashes[self.p.block_size], now + self.p.record_ttl_s,
                            block_size=self.p.block_size, group_idx=self.p.group_idx)
+        if self.shared is not None:
+            self.shared.publish(ep.id, hashes[self.p.block_size])
 
     # -- usage: predicted vs reported -----------------------------------------------------------
     async def on_usage(

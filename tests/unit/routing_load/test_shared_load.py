@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -107,3 +107,34 @@ async def test_redis_down_falls_back_to_own_load(redis_server: RedisServer) -> N
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_record_insertions_reach_the_other_replicas(redis_server: RedisServer) -> None:
+    """The approximate record's insertions on replica A are applied on B (not back on A)."""
+    from plugins.shared_record import RecordShare, connect_pair, decode
+
+    got: dict[str, list[tuple[str, list[int]]]] = {"a": [], "b": []}
+    shares = []
+    def keeper(name: str) -> Callable[[str, list[int]], None]:
+        return lambda engine, hashes: got[name].append((engine, hashes))
+
+    for name in ("a", "b"):
+        pub, sub = connect_pair(redis_server.url, 2.0)
+        share = RecordShare(pub, sub, keeper(name),
+                            prefix="test:", flush_s=0.02, timeout_s=2.0, retry_s=0.1,
+                            max_pending=8, me=name)
+        share.start()
+        shares.append(share)
+    a, b = shares
+    try:
+        await until(lambda: b.stats.received == 0 and not b.stats.down)
+        await asyncio.sleep(0.3)  # both subscribed
+        a.publish("e1", [1, 2, 2**63 + 5])
+        await until(lambda: got["b"] == [("e1", [1, 2, 2**63 + 5])])
+        assert got["a"] == [] and a.stats.published == 1
+        assert decode(b'{"from":"x","items":[["e0",[1,"2"]],["e0",[3]],[1,[2]]]}', "b") == [
+            ("e0", [3])]
+        assert decode(b'{"from":"b","items":[["e0",[3]]]}', "b") == []  # its own
+    finally:
+        for share in shares:
+            await share.stop()
