@@ -168,7 +168,6 @@ def test_misset_topic_shows_on_health_within_seconds(
     with procs.running(argv, "0-1", log) as proc:
         procs.wait_healthy(url + "/v1/models", proc, 60.0, log, SERVED_NAME.encode())
         assert all(e["state"] != "degraded" for e in _kv_states(url).values())
-        started = time.monotonic()
         rng = random.Random(3)
         for _ in range(2):  # uncached prompts: each engine stores blocks and publishes
             reply = httpx.post(url + "/v1/chat/completions", timeout=60, json={
@@ -176,6 +175,9 @@ def test_misset_topic_shows_on_health_within_seconds(
                 "messages": [{"role": "user", "content": agentic.text(
                     rng, 400, token_counter(tiny_model))[0]}]})
             assert reply.status_code == 200, reply.text
+        # the engines have published by now (blocks are stored before the answer): the bound is
+        # on the gateway noticing, not on the engines' compute (slow on a loaded machine)
+        started = time.monotonic()
         states = _kv_states(url)
         while (any(e["state"] != "degraded" for e in states.values())
                and time.monotonic() - started < MISSET_WITHIN_S):
