@@ -10,8 +10,9 @@ Where it comes from, first match wins:
    for one tenant would split that tenant's prefix cache per replica;
 2. the file ``.kvgate/secret`` (param ``secret_file``, relative to the working directory like
    the ledger's and the job store's defaults): read if present; created if absent (64 hex
-   characters from :func:`secrets.token_hex`, mode 0600, ``O_EXCL`` so two processes starting
-   together agree on one). A generated secret is said in a WARNING: fine for one host, wrong for
+   characters from :func:`secrets.token_hex`, mode 0600, written to a temporary file and
+   hard-linked into place, so two processes starting together agree on one and neither reads
+   a half-written file). A generated secret is said in a WARNING: fine for one host, wrong for
    replicas on several.
 
 Derivation: ``K_purpose = HMAC-SHA256(secret, "kvgate\\0" + purpose)``; each use has its own
@@ -92,12 +93,16 @@ def _read_or_create(path: Path) -> tuple[str, bool]:
         return path.read_text(encoding="utf-8"), False
     path.parent.mkdir(parents=True, exist_ok=True)
     text = secrets.token_hex(32) + "\n"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:  # another process made it first: use theirs
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.link(tmp, path)  # atomic, and fails if it exists: never a half-written secret
+    except FileExistsError:  # another process (a --workers sibling) made it first: use theirs
         return path.read_text(encoding="utf-8"), False
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(text)
+    finally:
+        tmp.unlink(missing_ok=True)
     return text, True
 
 

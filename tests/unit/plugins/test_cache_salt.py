@@ -8,6 +8,7 @@ import json
 import os
 import stat
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -222,3 +223,13 @@ def test_cli_recomputes_what_the_gateway_derives(tmp_path: Path, monkeypatch: py
                  str(tmp_path / "absent")]) == 2  # never creates a secret
     assert "no gateway secret" in capsys.readouterr().err
     assert not (tmp_path / "absent").exists()
+
+
+def test_processes_starting_together_agree_on_one_secret(tmp_path: Path) -> None:
+    """--workers siblings create the file at once: one generates it, all read the same."""
+    path = str(tmp_path / "secret")
+    with ThreadPoolExecutor(8) as pool:
+        loaded = list(pool.map(lambda _: load_secret("UNSET", path, {}), range(8)))
+    assert len({s.key for s in loaded}) == 1
+    assert sum(s.source.startswith("generated") for s in loaded) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["secret"]  # no temporary file left
