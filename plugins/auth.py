@@ -82,7 +82,14 @@ from plugins.keys_model import (
     new_key,
     read_keys_file,
 )
-from plugins.keys_store import FileKeyStore, KeyStore, RedisKeyStore, StoreUnavailable
+from plugins.keys_store import (
+    FileKeyStore,
+    KeyStore,
+    RedisKeyStore,
+    StoreUnavailable,
+    connect_redis,
+    store_errors,
+)
 from plugins.reload import FileReloader, Reloadable, ReloadStatus
 
 log = logging.getLogger("kvgate.plugins.auth")
@@ -123,14 +130,6 @@ def credential(authorization: str | None, api_key: str | None) -> str | None:
         raise Unauthorized("conflicting credentials: the Authorization and x-api-key headers "
                            "carry different API keys; send one")
     return key
-
-
-def _store_errors() -> tuple[type[BaseException], ...]:
-    """What an unreachable store raises (Redis is an optional dependency)."""
-    if find_spec("redis") is None:
-        return (OSError, TimeoutError)
-    from redis.exceptions import RedisError
-    return (RedisError, OSError, TimeoutError)
 
 
 class ApiKeys(Plugin, Authenticator, PrincipalLookup, RequestHook, Lifecycle, AsgiMount,
@@ -199,7 +198,7 @@ class ApiKeys(Plugin, Authenticator, PrincipalLookup, RequestHook, Lifecycle, As
         if params.redis_url is not None and find_spec("redis") is None:
             raise ConfigError("redis_url needs the 'redis' package (pip install 'kvgate[redis]')")
         self.redis: RedisKeyStore | None = None
-        self._errors = _store_errors()
+        self._errors = store_errors()
         self.store: KeyStore | None = self.file_store
         self.token: object = None
         self.status = ReloadStatus(f"{name} keys")
@@ -353,7 +352,8 @@ class ApiKeys(Plugin, Authenticator, PrincipalLookup, RequestHook, Lifecycle, As
             with contextlib.suppress(OSError):
                 self.token = await self.file_store.token()
         if self.p.redis_url is not None:
-            self._client = _connect(self.p.redis_url.get_secret_value(), self.p.redis_timeout_s)
+            self._client = connect_redis(self.p.redis_url.get_secret_value(),
+                                         self.p.redis_timeout_s)
             self.redis = RedisKeyStore(self._client, self.p.key_prefix)
             self.store = self.redis
             await self._poll_redis(first=True)
@@ -478,18 +478,6 @@ class _KeysCollector(Collector):
         for op, n in sorted(p.admin_ops.items()):
             ops.add_metric([op], n)
         yield ops
-
-
-def _connect(url: str, timeout_s: float) -> Any:
-    """A Redis client whose every call is bounded by ``timeout_s``; a connection error is
-    retried once at once (a pooled connection gone stale across a Redis restart), a timeout
-    is not (the watch loop tries again at its next poll)."""
-    from redis.asyncio import Redis
-    from redis.asyncio.retry import Retry
-    from redis.backoff import NoBackoff
-    from redis.exceptions import ConnectionError as RedisConnectionError
-    return Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                          retry=Retry(NoBackoff(), 1), retry_on_error=[RedisConnectionError])
 
 
 @runtime_checkable

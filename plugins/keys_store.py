@@ -30,6 +30,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -162,6 +163,26 @@ class FileKeyStore:
 
 
 # -- redis ---------------------------------------------------------------------------------
+def store_errors() -> tuple[type[BaseException], ...]:
+    """What an unreachable store raises (Redis is an optional dependency)."""
+    if find_spec("redis") is None:
+        return (OSError, TimeoutError)
+    from redis.exceptions import RedisError
+    return (RedisError, OSError, TimeoutError)
+
+
+def connect_redis(url: str, timeout_s: float) -> Any:
+    """A Redis client whose every call is bounded by ``timeout_s``; a connection error is
+    retried once at once (a pooled connection gone stale across a Redis restart), a timeout
+    is not (the watch loop tries again at its next poll)."""
+    from redis.asyncio import Redis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    return Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                          retry=Retry(NoBackoff(), 1), retry_on_error=[RedisConnectionError])
+
+
 _SEED = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 for i = 1, #ARGV, 3 do
