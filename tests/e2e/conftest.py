@@ -67,7 +67,7 @@ def kvgate_serve(config: dict[str, Any], tmp: Path) -> Iterator[str]:
                             stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # a readiness wait: a loaded machine starts slowly
         while True:
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(url + "/health", timeout=1).status_code == 200:

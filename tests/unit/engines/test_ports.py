@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import time
+
+import pytest
 
 from engines import ports
 
@@ -22,3 +26,14 @@ def test_a_port_in_use_is_not_bindable() -> None:
         busy.bind(("127.0.0.1", 0))
         taken = busy.getsockname()[1]
         assert not ports._bindable("127.0.0.1", taken)
+
+
+def test_a_claimed_port_is_refused_to_other_callers_until_stale(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("engines.ports.tempfile.gettempdir", lambda: str(tmp_path))
+    assert ports._claim(25_000) is True
+    assert ports._claim(25_000) is False  # another process asking now
+    marker = ports._claims() / "25000"
+    old = time.time() - ports.CLAIM_HOLD_S - 1
+    os.utime(marker, (old, old))
+    assert ports._claim(25_000) is True  # stale: taken over
