@@ -51,7 +51,7 @@ from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from middleware.errors import BadRequest, ConfigError, Forbidden
 from middleware.plugin import (
@@ -133,6 +133,9 @@ class Billing(Plugin, UsageHook, CompletionHook, Lifecycle, RouteProvider, Metri
         #: ids are stored as ``hs1:`` + a keyed digest of the session key, never in clear.
         secret_env: str = DEFAULT_ENV
         secret_file: str = DEFAULT_FILE
+        #: Shared state: the gateway secret kept in Redis (default ``shared_state.redis_url``),
+        #: so every replica writes the same session digests; wins over ``secret_file``.
+        redis_url: SecretStr | None = None
 
         @field_validator("tier_discounts")
         @classmethod
@@ -188,7 +191,9 @@ class Billing(Plugin, UsageHook, CompletionHook, Lifecycle, RouteProvider, Metri
         except ValueError as exc:
             raise ConfigError(f"billing: {exc}") from None
         await asyncio.to_thread(_make_dirs, url, Path(self.p.spool))
-        secret = await asyncio.to_thread(load_secret, self.p.secret_env, self.p.secret_file)
+        shared = self.p.redis_url.get_secret_value() if self.p.redis_url else None
+        secret = await asyncio.to_thread(load_secret, self.p.secret_env, self.p.secret_file,
+                                         None, shared)
         self._session_key = secret.derive(SESSION_PURPOSE)
         self.ledger = Ledger(backend, Path(self.p.spool))
         await self.ledger.start()

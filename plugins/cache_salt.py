@@ -48,7 +48,7 @@ from typing import ClassVar, Literal
 
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from middleware.errors import ConfigError
 from middleware.plugin import HealthSource, MetricsSource, Plugin, PluginLookup, RequestHook
@@ -101,6 +101,9 @@ class CacheSalt(Plugin, RequestHook, MetricsSource, HealthSource):
         secret_env: str = DEFAULT_ENV
         #: The secret's file when the variable is unset (created, mode 0600, if absent).
         secret_file: str = DEFAULT_FILE
+        #: Shared state: the secret is kept in Redis (default ``shared_state.redis_url``), so
+        #: every replica derives the same salts; wins over ``secret_file``.
+        redis_url: SecretStr | None = None
         #: APIs whose engine body gets the salt (adapter names).
         apis: frozenset[str] = SALTED_APIS
         #: ``replace``: a client's ``cache_salt`` is replaced; ``keep``: forwarded as sent.
@@ -138,7 +141,9 @@ class CacheSalt(Plugin, RequestHook, MetricsSource, HealthSource):
         self._key = b""
         self._warned = False
         if self.active:
-            self.secret = secret or load_secret(params.secret_env, params.secret_file)
+            url = params.redis_url.get_secret_value() if params.redis_url else None
+            self.secret = secret or load_secret(params.secret_env, params.secret_file,
+                                                redis_url=url)
             self._key = self.secret.derive(CACHE_SALT_PURPOSE)
         else:
             log.info("cache-salt: no authenticator %r switched on before it: no salt is "

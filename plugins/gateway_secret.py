@@ -8,7 +8,14 @@ Where it comes from, first match wins:
    least 32 characters, used as UTF-8 bytes. Replicas must share it: every derived value (a
    tenant's salt, a session digest) is a function of it, and replicas deriving different salts
    for one tenant would split that tenant's prefix cache per replica;
-2. the file ``.kvgate/secret`` (param ``secret_file``, relative to the working directory like
+2. with shared state (a ``redis_url``: ``kvgate serve --redis``), the Redis key
+   ``kvgate:gateway-secret``: the first replica to start sets it (``SET NX``, 64 hex characters),
+   every replica reads it, so replicas started from different working directories derive the
+   same salts and digests with nothing else to configure. Redis then holds the secret: it is
+   trusted like the API keys' hashes and budgets it already holds. Redis unreachable at
+   startup is a startup error (a replica that went on with a secret of its own would split
+   every tenant's cache and ledger digests from the others' for its whole life);
+3. the file ``.kvgate/secret`` (param ``secret_file``, relative to the working directory like
    the ledger's and the job store's defaults): read if present; created if absent (64 hex
    characters from :func:`secrets.token_hex`, mode 0600, written to a temporary file and
    hard-linked into place, so two processes starting together agree on one and neither reads
@@ -40,6 +47,10 @@ DEFAULT_FILE = ".kvgate/secret"
 #: 32 characters: with hex (the generated form) 128 bits, the least an HMAC key should carry.
 MIN_SECRET_CHARS = 32
 
+#: The Redis key of the shared secret, and the bound on each Redis call at startup [s].
+REDIS_KEY = "kvgate:gateway-secret"
+REDIS_TIMEOUT_S = 5.0
+
 #: Purposes (one derived key each).
 CACHE_SALT_PURPOSE = "cache-salt v1"
 SESSION_PURPOSE = "ledger-session v1"
@@ -61,12 +72,20 @@ class GatewaySecret:
 
 
 def load_secret(env: str = DEFAULT_ENV, file: str = DEFAULT_FILE,
-                environ: Mapping[str, str] | None = None) -> GatewaySecret:
-    """The secret from ``env`` or ``file`` (created when absent); ConfigError when it is too
-    short or the file cannot be read or made."""
+                environ: Mapping[str, str] | None = None,
+                redis_url: str | None = None) -> GatewaySecret:
+    """The secret from ``env``, else Redis (``redis_url``; set once by the first replica), else
+    ``file`` (created when absent); ConfigError when it is too short, or the file or Redis
+    cannot be read or written."""
     value = (os.environ if environ is None else environ).get(env)
     if value:
         return GatewaySecret(_checked(value, f"environment variable {env}"), f"env {env}")
+    if redis_url is not None:
+        text, created = _from_redis(redis_url)
+        if created:
+            log.info("generated the gateway secret in Redis (%s); every replica reads it there",
+                     REDIS_KEY)
+        return GatewaySecret(_checked(text, f"Redis key {REDIS_KEY}"), f"redis {REDIS_KEY}")
     path = Path(file)
     try:
         text, generated = _read_or_create(path)
@@ -78,6 +97,27 @@ def load_secret(env: str = DEFAULT_ENV, file: str = DEFAULT_FILE,
                     "same value on every replica, or copy the file", path, env)
     source = f"{'generated' if generated else 'file'} {path}"
     return GatewaySecret(_checked(text.strip(), f"file {path}"), source)
+
+
+def _from_redis(url: str) -> tuple[str, bool]:
+    """The shared secret (set now if absent) and whether this call set it."""
+    import redis  # optional dependency: present whenever a redis_url passed config checks
+    from redis.exceptions import RedisError
+
+    client = redis.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_S,
+                                  socket_connect_timeout=REDIS_TIMEOUT_S)
+    try:
+        created = bool(client.set(REDIS_KEY, secrets.token_hex(32), nx=True))
+        value = client.get(REDIS_KEY)
+    except RedisError as exc:  # the URL may hold a password: name the error only
+        raise ConfigError(f"gateway secret: shared state (Redis) unreachable at startup "
+                          f"({type(exc).__name__}); set the secret's environment variable on "
+                          "every replica, or bring Redis up") from None
+    finally:
+        client.close()
+    if not isinstance(value, bytes):
+        raise ConfigError(f"gateway secret: Redis key {REDIS_KEY} vanished while read")
+    return value.decode(), created
 
 
 def _checked(value: str, where: str) -> bytes:
@@ -115,6 +155,7 @@ def session_digest(key: bytes, session_key: str) -> str:
 
 
 __all__ = [
-    "CACHE_SALT_PURPOSE", "DEFAULT_ENV", "DEFAULT_FILE", "SESSION_PURPOSE", "GatewaySecret",
+    "CACHE_SALT_PURPOSE", "DEFAULT_ENV", "DEFAULT_FILE", "REDIS_KEY", "SESSION_PURPOSE",
+    "GatewaySecret",
     "load_secret", "session_digest",
 ]

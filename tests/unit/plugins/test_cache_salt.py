@@ -233,3 +233,26 @@ def test_processes_starting_together_agree_on_one_secret(tmp_path: Path) -> None
     assert len({s.key for s in loaded}) == 1
     assert sum(s.source.startswith("generated") for s in loaded) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["secret"]  # no temporary file left
+
+
+def test_replicas_in_different_directories_share_the_secret_through_redis(
+        tmp_path: Path) -> None:
+    from tests.servers import REDIS_SERVER, RedisServer
+
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed")
+    server = RedisServer()
+    server.start()
+    try:
+        first, second = (load_secret(file=str(tmp_path / d / "secret"), environ={},
+                                     redis_url=server.url) for d in ("a", "b"))
+        assert first.key == second.key and first.source == "redis kvgate:gateway-secret"
+        assert not (tmp_path / "a").exists()  # no file is written with shared state
+        # the environment variable still wins over Redis
+        env = load_secret(environ={"KVGATE_SECRET": "x" * 40}, redis_url=server.url)
+        assert env.key == b"x" * 40
+    finally:
+        server.stop()
+    with pytest.raises(ConfigError, match="unreachable") as failed:
+        load_secret(file=str(tmp_path / "c"), environ={}, redis_url=server.url)
+    assert server.url not in str(failed.value)
