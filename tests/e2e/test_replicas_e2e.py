@@ -6,7 +6,8 @@ balancer: the quick start (``--engine URL ...``, no KV events: the approximate r
 request *i* of a session to another replica than request *i - 1*.
 
 * A session's turns, spread over the three replicas, all land on one engine: the shared session
-  table (Redis) gives every replica the engine of the session's last turn.
+  table (Redis) gives every replica the engine of the session's last turn, and the shared
+  approximate record tells every replica which blocks the others routed where.
 * A request in flight on one replica is seen by the others: ``kvgate_token_load_tokens`` with
   ``scope="other"`` on replica B names the engine replica A streams from.
 * redis-server killed: every replica keeps serving on its own state and says so on ``/health``
@@ -40,9 +41,16 @@ TURNS = 4
 MODEL = "sim-model"
 
 
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    """Simulated engines at H100 speed (a 1,000-token answer streams for seconds), shared by
+    the module's tests (each test routes its own sessions)."""
+    with sims(tmp_path_factory.mktemp("sims")) as urls:
+        yield urls
+
+
 @contextlib.contextmanager
 def sims(tmp: Path) -> Iterator[list[str]]:
-    """Simulated engines at H100 speed (a 1,000-token answer streams for seconds)."""
     with contextlib.ExitStack() as stack:
         urls = []
         for i in range(ENGINES):
@@ -126,11 +134,11 @@ def stream_in_background(base: str, started: threading.Event, stop: threading.Ev
                 return
 
 
-def test_three_replicas_route_as_one(tmp_path: Path) -> None:
+def test_three_replicas_route_as_one(tmp_path: Path, engines: list[str]) -> None:
     redis = RedisServer()
     redis.start()
     try:
-        with sims(tmp_path) as engines, replicas(tmp_path, engines, redis.url) as gws:
+        with replicas(tmp_path, engines, redis.url) as gws:
             _sessions_agree(gws)
             _load_is_shared(gws)
             assert redis.proc is not None
@@ -182,20 +190,22 @@ def _outage_keeps_serving(gws: list[str]) -> None:
             return "degraded" in str(section.get("token-load-scorer", {}).get("shared_load"))
 
         wait_for(degraded, f"replica {i} reports the shared load degraded")
+        plugins = httpx.get(base + "/health", timeout=10).json()["plugins"]
+        assert "degraded" in str(plugins["prefix-cache-producer"].get("shared_record"))
         down = metric(base, "kvgate_shared_load_down")
         assert list(down.values()) == [1.0]
         assert httpx.get(base + "/health", timeout=10).status_code == 200
         complete(base, document(100 + i, 1), f"after-outage-{i}")
 
 
-def test_workers_share_one_port_and_route_as_one(tmp_path: Path) -> None:
+def test_workers_share_one_port_and_route_as_one(tmp_path: Path, engines: list[str]) -> None:
     """``--workers 2 --redis``: both workers answer on one port and see each other's load."""
     redis = RedisServer()
     redis.start()
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     try:
-        with sims(tmp_path) as engines, running_process(
+        with running_process(
                 [KVGATE, "serve", "--port", str(port), "--workers", "2", "--redis", redis.url,
                  *[a for url in engines for a in ("--engine", url)]],
                 base + "/v1/models", log=tmp_path / "workers.log", cwd=tmp_path, limit_s=90):
