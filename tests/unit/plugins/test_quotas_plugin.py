@@ -126,7 +126,7 @@ async def test_estimates_and_refusals_in_process(tmp_path: Path) -> None:
         await q.on_request(req, state)
         ticket = state.get(q._ticket)
         assert ticket is not None and ticket.ask.output_tokens == output, body
-        assert ticket.ask.input_tokens == 100
+        assert ticket.ask.input_tokens == 125 + 16  # estimate x prompt_factor + overhead
         await q.on_request_end(req, state, 200)
     free_req, free_state = _req(FREE, "free"), CycleState()
     await q.on_request(free_req, free_state)
