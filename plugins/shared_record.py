@@ -13,7 +13,10 @@ Publish/subscribe keeps nothing in Redis: a replica that starts later learns fro
 from then on, and from the engines' reported ``cached_tokens``.
 
 Bounded: at most ``max_pending`` insertions wait to be sent (older ones are dropped and counted
-when Redis is slow). Redis down: insertions are dropped (counted), each replica keeps routing
+when Redis is slow). A prompt already sent for an engine (same last block) is not sent again for
+``repeat_s`` (60 s: a tenth of the record's 600 s TTL, so the others' copies never lapse while
+it is in use); the ``max_recent`` (65,536) last sends are remembered, least recent forgotten.
+Redis down: insertions are dropped (counted), each replica keeps routing
 on its own record, one WARNING per outage, ``/health`` says ``degraded``; the subscriber
 reconnects every ``retry_s``.
 """
@@ -24,7 +27,8 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections import deque
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +46,7 @@ class RecordShareStats:
     """Insertions published, received from others, dropped; failed calls; outage flag."""
 
     published: int = 0
+    repeats: int = 0
     received: int = 0
     dropped: int = 0
     errors: int = 0
@@ -70,6 +75,8 @@ class RecordShare:
     def __init__(
         self, publisher: Any, subscriber: Any, apply: Apply, *, prefix: str, flush_s: float,
         timeout_s: float, retry_s: float, max_pending: int, me: str | None = None,
+        repeat_s: float = 60.0, max_recent: int = 65_536,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._pub = publisher
         self._sub = subscriber
@@ -81,13 +88,30 @@ class RecordShare:
         self._pending: deque[tuple[EndpointId, list[int]]] = deque(maxlen=max_pending)
         self.me = me or replica_id()
         self.stats = RecordShareStats()
+        self._repeat_s = repeat_s
+        self._max_recent = max_recent
+        self._recent: OrderedDict[tuple[EndpointId, int], float] = OrderedDict()
+        self.clock = clock
         self._tasks: list[asyncio.Task[None]] = []
         from redis.exceptions import RedisError  # optional dependency, only with redis_url
 
         self._errors: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
 
     def publish(self, engine: EndpointId, hashes: Sequence[int]) -> None:
-        """Queue an insertion for the next flush (the oldest is dropped when full)."""
+        """Queue an insertion for the next flush (the oldest is dropped when full). The same
+        prompt on the same engine (its last block) is sent again only after ``repeat_s``: a
+        hot prefix would otherwise be re-sent, and re-inserted by every replica, per request."""
+        if not hashes:
+            return
+        key, now = (engine, int(hashes[-1])), self.clock()
+        sent = self._recent.get(key)
+        if sent is not None and now - sent < self._repeat_s:
+            self.stats.repeats += 1
+            return
+        self._recent[key] = now
+        self._recent.move_to_end(key)
+        if len(self._recent) > self._max_recent:
+            self._recent.popitem(last=False)
         if len(self._pending) == self._pending.maxlen:
             self.stats.dropped += 1
         self._pending.append((engine, [int(h) for h in hashes]))

@@ -144,3 +144,19 @@ async def test_record_insertions_reach_the_other_replicas(redis_server: RedisSer
     finally:
         for share in shares:
             await share.stop()
+
+
+def test_record_share_skips_repeats_within_repeat_s() -> None:
+    """A hot prompt is sent once per ``repeat_s`` per engine, not per request."""
+    from plugins.shared_record import RecordShare
+
+    now = [0.0]
+    share = RecordShare(None, None, lambda e, h: None, prefix="t:", flush_s=1, timeout_s=1,
+                        retry_s=1, max_pending=8, repeat_s=60.0, max_recent=2,
+                        clock=lambda: now[0])
+    for engine, hashes, at in [("e0", [1, 2], 0.0), ("e0", [1, 2], 30.0), ("e1", [1, 2], 30.0),
+                               ("e0", [1, 2], 61.0), ("e0", [1, 3], 61.0), ("e0", [], 62.0)]:
+        now[0] = at
+        share.publish(engine, hashes)
+    assert share.stats.repeats == 1  # e0 [1, 2] at 30 s
+    assert [e for e, _ in share._pending] == ["e0", "e1", "e0", "e0"]
