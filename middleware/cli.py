@@ -102,8 +102,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         )
         config = config.model_copy(update={"server": server})
     config = with_billing(config, prices=args.prices, ledger=args.ledger, keys=args.keys)
-    config = with_quotas(config)
-    config = with_shared_state(config, args.redis)
+    config = with_quotas(with_shared_state(config, args.redis))
     return serve_config(config, args.workers)
 
 

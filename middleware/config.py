@@ -246,15 +246,18 @@ def with_billing(
 
 
 def with_quotas(config: GatewayConfig) -> GatewayConfig:
-    """``config`` with a ``quotas`` plugin when it authenticates with a keys file and has none:
+    """``config`` with a ``quotas`` plugin when it authenticates with API keys (a keys file, or
+    keys in Redis) and has none:
     the limits and budgets written in the keys file are enforced without more configuration.
     It goes after the ``api-keys`` and ``billing`` plugins (it prices budgets with billing).
     """
     data = config.model_dump(exclude={"source"})
     plugins: list[dict[str, Any]] = list(data["plugins"])
     types = [p["type"] for p in plugins]
-    keyed = any(p["type"] == "api-keys" and p["params"].get("file")
-                and not p["params"].get("disabled") for p in plugins)
+    shared = config.shared_state is not None  # keys may live in Redis alone (no file)
+    keyed = any(p["type"] == "api-keys" and not p["params"].get("disabled")
+                and (p["params"].get("file") or p["params"].get("redis_url") or shared)
+                for p in plugins)
     if not keyed or "quotas" in types:
         return config
     after = max(i for i, t in enumerate(types) if t in ("api-keys", "billing"))

@@ -138,3 +138,11 @@ def test_serve_adds_quotas_whenever_a_keys_file_is_used(tmp_path: Path) -> None:
         assert ("quotas" in types) is expected, (flags, types)
         if expected:
             assert types.index("quotas") > types.index("billing") > types.index("api-keys")
+    # keys kept in Redis alone (no file) are keys too: with shared state, or the plugin's own URL
+    redis_keys = [{"type": "api-keys", "params": {"redis_url": "redis://h:6379/0"}},
+                  {"type": "billing", "params": {}}]
+    shared_keys = [{"type": "api-keys", "params": {"file": None}}, {"type": "billing"}]
+    for data in ({"plugins": redis_keys},
+                 {"plugins": shared_keys, "shared_state": {"redis_url": "redis://h:6379/0"}}):
+        types = [p.type for p in with_quotas(parse_config(data, "t")).plugins]
+        assert types == ["api-keys", "billing", "quotas"], (data, types)
