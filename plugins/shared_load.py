@@ -245,7 +245,8 @@ class LoadExchange:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         try:
-            await asyncio.wait_for(self._client.delete(self._key(self.me)), self._timeout_s)
+            await asyncio.wait_for(
+                self._client.delete(self._key(self.me), self._key(self.me, "c")), self._timeout_s)
         except self._errors:
             log.info("shared load: could not remove this replica's entry (expires in Redis)")
         await self._client.aclose()
