@@ -21,18 +21,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, File, Form, Query, Request, UploadFile
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from asyncq.api import QueueService
@@ -42,13 +39,10 @@ from asyncq.mgmt_db import Db
 from asyncq.queued import queued_router
 from asyncq.webhooks import Webhooks, WebhookSettings
 from middleware.errors import (
-    BadRequest,
     HTTPError,
-    MethodNotAllowed,
-    NotFound,
     PayloadTooLarge,
-    internal_error,
 )
+from middleware.fastapi_errors import error_response, install_openai_errors, openapi_errors
 from middleware.types import Principal
 
 log = logging.getLogger("kvgate.asyncq.mgmt")
@@ -78,21 +72,7 @@ class ManagementSettings(BaseModel):
     webhooks: WebhookSettings = Field(default_factory=WebhookSettings)
 
 
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(BaseModel):
-    """OpenAI's error shape."""
-
-    error: ErrorDetail
-
-
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    s: {"model": ErrorResponse} for s in (400, 401, 404, 409, 413, 503)}
+_ERRORS = openapi_errors(400, 401, 404, 409, 413, 503)
 
 
 class ManagementPlane:
@@ -186,55 +166,6 @@ class _PlaneCollector(Collector):
                                           or w.degraded_since is not None))
 
 
-# -- errors ---------------------------------------------------------------------------------
-def _error_response(err: HTTPError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers or None)
-
-
-def _status_error(status: int, detail: str) -> HTTPError:
-    if status == 404:
-        return NotFound(detail)
-    if status == 405:
-        return MethodNotAllowed(detail)
-    if status == 413:
-        return PayloadTooLarge(detail)
-    if status < 500:
-        err = BadRequest(detail)
-        err.status = status
-        return err
-    return HTTPError(detail)
-
-
-def _install_errors(app: FastAPI) -> None:
-    async def kvgate_error(_: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, HTTPError)
-        return _error_response(exc)
-
-    async def http_error(_: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, StarletteHTTPException)
-        if isinstance(exc.__cause__, HTTPError):  # raised while the body was read
-            return _error_response(exc.__cause__)
-        return _error_response(_status_error(exc.status_code, str(exc.detail)))
-
-    async def validation_error(_: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, RequestValidationError)
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
-        msg = str(first.get("msg", "invalid request"))
-        param = ".".join(loc) or None
-        return _error_response(BadRequest(f"{param}: {msg}" if param else msg, param=param))
-
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        rid = uuid.uuid4().hex
-        log.error("unexpected error in the management plane (request %s)", rid, exc_info=exc)
-        return _error_response(internal_error(rid))
-
-    app.add_exception_handler(HTTPError, kvgate_error)
-    app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_exception_handler(Exception, unexpected)
-
-
 class _Guard:
     """Pure ASGI wrapper: authenticate and bound the body before FastAPI sees the request."""
 
@@ -255,7 +186,7 @@ class _Guard:
             if length.isdigit() and int(length) > self.max_body:
                 raise PayloadTooLarge(f"the request body is larger than {self.max_body} bytes")
         except HTTPError as err:
-            await _error_response(err)(scope, receive, send)
+            await error_response(err)(scope, receive, send)
             return
         seen = 0
 
@@ -356,7 +287,7 @@ def build_management_app(service: QueueService, settings: ManagementSettings) ->
                   description="OpenAI Files and Batch APIs and queued requests (docs/async.md)")
     app.state.plane = plane
     app.state.started_at = time.time()
-    _install_errors(app)
+    install_openai_errors(app, "management plane", log)
     app.include_router(files_router(plane))
     app.include_router(batches_router(plane))
     app.include_router(queued_router(service), responses=_ERRORS)

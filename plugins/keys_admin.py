@@ -27,26 +27,20 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import uuid
 from collections.abc import Callable, Mapping
 from decimal import Decimal
 from typing import Annotated, Any, Literal, Protocol
 
-from fastapi import APIRouter, FastAPI, Query, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, FastAPI, Query
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from middleware.errors import (
     BadRequest,
     HTTPError,
-    MethodNotAllowed,
-    NotFound,
     PayloadTooLarge,
-    internal_error,
 )
+from middleware.fastapi_errors import error_response, install_openai_errors, openapi_errors
 from plugins.keys_model import ApiKey, KeyEntry, KeysFile, Limits, utcnow
 from plugins.keys_store import (
     NewKey,
@@ -79,19 +73,6 @@ class AdminBackend(Protocol):
 
 
 # -- models ----------------------------------------------------------------------------------
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(BaseModel):
-    """OpenAI's error shape."""
-
-    error: ErrorDetail
-
-
 class KeyObject(BaseModel):
     """An API key as the admin API shows it: never its secret or hash."""
 
@@ -188,8 +169,7 @@ def _with_secret(made: list[NewKey]) -> KeyWithSecret:
 
 
 # -- routes ---------------------------------------------------------------------------------
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    s: {"model": ErrorResponse} for s in (400, 401, 403, 404, 409, 413, 503)}
+_ERRORS = openapi_errors(400, 401, 403, 404, 409, 413, 503)
 KeyId = Annotated[str, Field(min_length=1, max_length=128, pattern=_ID)]
 
 
@@ -282,50 +262,6 @@ def tenants_router(b: AdminBackend) -> APIRouter:
 
 
 # -- errors and the guard ----------------------------------------------------------------------
-def _error_response(err: HTTPError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers or None)
-
-
-def _status_error(status: int, detail: str) -> HTTPError:
-    errors: dict[int, type[HTTPError]] = {404: NotFound, 405: MethodNotAllowed,
-                                          413: PayloadTooLarge}
-    if status in errors:
-        return errors[status](detail)
-    err = BadRequest(detail) if status < 500 else HTTPError(detail)
-    err.status = status
-    return err
-
-
-def _install_errors(app: FastAPI) -> None:
-    async def kvgate_error(_: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, HTTPError)
-        return _error_response(exc)
-
-    async def http_error(_: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, StarletteHTTPException)
-        if isinstance(exc.__cause__, HTTPError):  # raised while the body was read
-            return _error_response(exc.__cause__)
-        return _error_response(_status_error(exc.status_code, str(exc.detail)))
-
-    async def validation_error(_: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, RequestValidationError)
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
-        msg = str(first.get("msg", "invalid request"))
-        param = ".".join(loc) or None
-        return _error_response(BadRequest(f"{param}: {msg}" if param else msg, param=param))
-
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        rid = uuid.uuid4().hex
-        log.error("unexpected error in the admin API (request %s)", rid, exc_info=exc)
-        return _error_response(internal_error(rid))
-
-    app.add_exception_handler(HTTPError, kvgate_error)
-    app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_exception_handler(Exception, unexpected)
-
-
 class _Guard:
     """Pure ASGI wrapper: admin keys only, bounded bodies, before FastAPI sees the request."""
 
@@ -345,7 +281,7 @@ class _Guard:
             if length.isdigit() and int(length) > MAX_BODY:
                 raise PayloadTooLarge(f"the request body is larger than {MAX_BODY} bytes")
         except HTTPError as err:
-            await _error_response(err)(scope, receive, send)
+            await error_response(err)(scope, receive, send)
             return
         seen = 0
 
@@ -364,7 +300,7 @@ def build_admin_app(backend: AdminBackend) -> FastAPI:
                   redoc_url=None, openapi_url=PREFIX + "/openapi.json",
                   description="API keys, tenants' budgets and limits, reloads "
                   "(docs/operations.md, Key administration)")
-    _install_errors(app)
+    install_openai_errors(app, "admin API", log)
     app.include_router(keys_router(backend))
     app.include_router(tenants_router(backend))
     app.add_middleware(_Guard, backend=backend)
