@@ -190,7 +190,7 @@ class Quotas(Plugin, RequestHook, CompletionHook, RequestEndHook, Lifecycle, Met
         if not verdict.ok:
             rkey = (verdict.dimension, verdict.scope.partition(":")[0])
             self.rejections[rkey] = self.rejections.get(rkey, 0) + 1
-            raise _refusal(verdict)
+            raise _refusal(verdict, scopes, self.p.headers)
         state.put(self._ticket, Ticket(ask, shared))
         if self.p.headers:
             _add_headers(state, verdict)
@@ -439,7 +439,14 @@ def _used(req: InferenceRequest, outcome: Outcome | None, cost_units: int) -> Se
     return Settlement(req.prompt_token_estimate, outcome.chunks_relayed, cost_units)
 
 
-def _refusal(v: Verdict) -> RateLimited:
+#: The ``x-ratelimit-*`` suffix of a refused bucket dimension (OpenAI has one for tokens).
+_HEADER_OF = {"requests": "requests", "input_tokens": "tokens", "output_tokens": "tokens"}
+
+
+def _refusal(v: Verdict, scopes: tuple[ScopeLimits, ...], headers: bool) -> RateLimited:
+    """The 429 of a refused verdict; a refused rate limit carries ``Retry-After`` and, with
+    ``headers``, the refused bucket's ``x-ratelimit-*`` headers (remaining 0, reset = the
+    wait), as OpenAI's 429s do."""
     kind, _, who = v.scope.partition(":")
     if v.dimension == "budget":
         return RateLimited(f"{'API key' if kind == 'key' else 'tenant'} {who!r} has used its "
@@ -448,8 +455,17 @@ def _refusal(v: Verdict) -> RateLimited:
             "output_tokens": "output tokens per minute",
             "concurrent": "concurrent requests"}[v.dimension]
     retry = max(1, math.ceil(v.retry_ms / 1000))
+    out = {"retry-after": str(retry)}
+    suffix = _HEADER_OF.get(v.dimension)
+    refused = next((s for s in scopes if s.scope == v.scope), None)
+    if headers and suffix is not None and refused is not None:
+        limit = refused.bucket_limits[("requests", "input_tokens", "output_tokens")
+                                      .index(v.dimension)]
+        out |= {f"x-ratelimit-limit-{suffix}": str(limit),
+                f"x-ratelimit-remaining-{suffix}": "0",
+                f"x-ratelimit-reset-{suffix}": _duration(v.retry_ms)}
     return RateLimited(f"rate limit reached for {kind} {who!r}: {what}; retry in {retry} s",
-                       headers={"retry-after": str(retry)})
+                       headers=out)
 
 
 def _add_headers(state: CycleState, v: Verdict) -> None:

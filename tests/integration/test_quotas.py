@@ -76,6 +76,10 @@ async def test_ratelimit_headers_then_429_with_retry_after(setup: Any) -> None:
     assert refused.json()["error"]["code"] == "rate_limited"
     assert refused.json()["error"]["type"] == "rate_limit_error"
     assert 1 <= int(refused.headers["retry-after"]) <= 20  # one request refills in 20 s
+    # as OpenAI's 429s: the refused bucket's headers, nothing left until the reset
+    assert refused.headers["x-ratelimit-limit-requests"] == "3"
+    assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+    assert refused.headers["x-ratelimit-reset-requests"].endswith("s")
 
 
 async def test_concurrency_slot_released_on_every_outcome(setup: Any) -> None:
