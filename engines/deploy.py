@@ -35,6 +35,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from engines.k8s_spec import KubernetesSpec
 from middleware.errors import ConfigError
 from middleware.quickstart import QuickStart, quick_start_config
 
@@ -111,6 +112,8 @@ class FleetSpec(BaseModel):
     #: stored response in the engine's memory, never evicted, and loses them on a restart
     #: (Codex sends ``store: false`` with the whole input and needs none of it).
     responses_store: bool = False
+    #: ``--target k8s`` / ``helm`` only (docs/kubernetes.md): images, replicas, Secret names.
+    kubernetes: KubernetesSpec = Field(default_factory=KubernetesSpec)
 
 
 def _side_port(spec: EngineSpec, protocol: str, i: int) -> int:
@@ -176,6 +179,15 @@ def _script(name: str, env: list[tuple[str, str]], command: str) -> str:
 
 
 def _engine_files(fleet: FleetSpec, role: str, i: int, spec: EngineSpec) -> dict[str, str]:
+    env, cmd, files = engine_launch(fleet, role, i, spec)
+    files[f"{role}-{i}.sh"] = _script(f"{role}-{i}", env, cmd)
+    return files
+
+
+def engine_launch(
+    fleet: FleetSpec, role: str, i: int, spec: EngineSpec
+) -> tuple[list[tuple[str, str]], str, dict[str, str]]:
+    """One engine's environment, command line and extra files (LMCache config)."""
     name = f"{role}-{i}"
     events = kv_events_ports(fleet)[(role, i)]
     proto = fleet.protocol
@@ -206,8 +218,7 @@ def _engine_files(fleet: FleetSpec, role: str, i: int, spec: EngineSpec) -> dict
             "--disaggregation-transfer-backend", "mooncake", "--enable-cache-report",
             "--kv-events-config", _kv_events_config(events),
             *_tool_args(fleet, auto_flag=False), *fleet.engine_args, *spec.args])
-    files[f"{name}.sh"] = _script(name, env, cmd)
-    return files
+    return env, cmd, files
 
 
 def _mooncake(
@@ -322,11 +333,19 @@ def load_fleet(path: str | Path) -> FleetSpec:
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
-    files = render(load_fleet(args.fleet))
+    fleet = load_fleet(args.fleet)
+    if args.target == "scripts":
+        files = render(fleet)
+    else:
+        from engines import deploy_k8s  # the k8s target only: it imports this module
+
+        files = (deploy_k8s.render_k8s(fleet) if args.target == "k8s"
+                 else deploy_k8s.render_chart(fleet))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, text in sorted(files.items()):
         target = out / name
+        target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text, encoding="utf-8")
         if name.endswith(".sh"):
             target.chmod(0o755)
@@ -340,4 +359,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     r = dsub.add_parser("render", help="write engine launch scripts and configs from a fleet YAML")
     r.add_argument("fleet", help="fleet YAML (docs/disaggregation.md)")
     r.add_argument("--out", default="deploy-out", help="output directory (default deploy-out)")
+    r.add_argument("--target", choices=("scripts", "k8s", "helm"), default="scripts",
+                   help="scripts: launch scripts + kvgate.yaml (default); k8s: Kubernetes "
+                   "manifests; helm: a Helm chart (docs/kubernetes.md)")
     r.set_defaults(func=_cmd_render)
