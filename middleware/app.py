@@ -7,6 +7,7 @@ nothing runs at import time. ``async with app.running():`` does the same for in-
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -45,6 +46,7 @@ from middleware.pool import EndpointPool
 from middleware.redact import public_view
 from middleware.registry import Registry
 from middleware.states import StateMap, StateMapCollector
+from middleware.tracing import Tracing
 
 log = logging.getLogger("kvgate.app")
 
@@ -74,7 +76,9 @@ class KvgateApp:
                                    _CORE_PATHS | plugin_paths | self.apis.paths())
         states = StateMap()
         self.metrics.registry.register(StateMapCollector(states))
-        self.gateway = Gateway(config, self.pipeline, self.pool, self.metrics, states)
+        self.tracing = Tracing.from_config(config.tracing)
+        self.gateway = Gateway(config, self.pipeline, self.pool, self.metrics, states,
+                               tracing=self.tracing)
         self.started_at = int(time.time())
         self._session: aiohttp.ClientSession | None = None
         self.loopback = Loopback(self, self.pipeline.authenticator, self.pool.snapshot)
@@ -104,6 +108,8 @@ class KvgateApp:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self.tracing.enabled:  # exports what is queued: blocking, so off the loop
+            await asyncio.to_thread(self.tracing.shutdown)
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[KvgateApp]:

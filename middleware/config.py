@@ -140,6 +140,20 @@ class SharedStateConfig(BaseModel):
     redis_url: str = Field(pattern=r"^rediss?://")
 
 
+class TracingConfig(BaseModel):
+    """OpenTelemetry tracing (middleware/tracing.py; docs/observability.md). Needs the
+    ``tracing`` extra; absent: off, no cost per request."""
+
+    model_config = _STRICT
+    #: OTLP/HTTP base URL (spans go to its ``/v1/traces``); unset: the standard
+    #: ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``..._TRACES_ENDPOINT``) environment variable.
+    otlp_endpoint: str | None = Field(None, pattern=r"^https?://")
+    #: The ``service.name`` resource attribute of every span.
+    service_name: str = Field("kvgate", min_length=1)
+    #: Share of new traces kept (a client's sampled ``traceparent`` is always followed).
+    sample_ratio: float = Field(1.0, ge=0, le=1)
+
+
 class GatewayConfig(BaseModel):
     """The whole gateway configuration."""
 
@@ -160,6 +174,8 @@ class GatewayConfig(BaseModel):
     #: Shared state between replicas (``kvgate serve --redis URL``); ``None``: each process
     #: keeps its own (one replica).
     shared_state: SharedStateConfig | None = None
+    #: OpenTelemetry tracing; ``None``: off.
+    tracing: TracingConfig | None = None
     #: Where this config came from (for error messages); not a YAML key.
     source: str = Field("<config>", exclude=True)
 

@@ -33,6 +33,7 @@ import dataclasses
 import json
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -51,6 +52,7 @@ from middleware.connector import (
 from middleware.context import Attempt, RequestContext
 from middleware.errors import UpstreamError, UpstreamHTTPError
 from middleware.pool import EndpointPool
+from middleware.tracing import Tracing, hop_done
 from middleware.types import InferenceRequest, RoutingDecision, Usage
 from middleware.upstream import open_request, parse_answer, read_answer
 
@@ -132,8 +134,10 @@ class TwoHop:
     def __init__(
         self, connector: Connector, pool: EndpointPool, timeout: aiohttp.ClientTimeout,
         settle_timeout_s: float, seed: int, count: Callable[[str], None] | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.connector = connector
+        self.tracing = tracing if tracing is not None else Tracing.off()
         self._count = count
         self.pool = pool
         self.timeout = timeout
@@ -189,17 +193,21 @@ class TwoHop:
         body = self.connector.prefill_body(req, dict(req.body), ctx)
         headers = {"content-type": "application/json", "x-request-id": req.request_id,
                    **self.pool.headers(prefill.id)}
+        url = prefill.url + rc.adapter.upstream_path(rc.path)
         lease = self.pool.acquire(prefill.id, req.prompt_token_estimate)
+        attrs = {"kvgate.engine": prefill.id, "kvgate.role": "prefill"}
         try:
-            try:
-                resp = await open_request(
-                    session, prefill.url + rc.adapter.upstream_path(rc.path),
-                    orjson.dumps(body), headers, self.timeout)
-            except UpstreamError as err:
-                if err.unreachable:
-                    self.pool.report_failure(prefill.id, err.message)
-                raise
-            raw = await read_answer(resp, None)
+            with self.tracing.span("kvgate.upstream", attrs, client=True) as span:
+                self.tracing.inject(headers, rc.headers)
+                try:
+                    resp = await open_request(session, url, orjson.dumps(body), headers,
+                                              self.timeout)
+                except UpstreamError as err:
+                    if err.unreachable:
+                        self.pool.report_failure(prefill.id, err.message)
+                    raise
+                raw = await read_answer(resp, None)
+                hop_done(span, resp.status, time.monotonic(), rc.request.received_at)
         finally:
             lease.release()
         answer = parse_answer(raw)

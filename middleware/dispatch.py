@@ -33,6 +33,7 @@ from middleware.pipeline import Pipeline
 from middleware.pool import EndpointPool
 from middleware.sse import Adjust, EventRelay
 from middleware.states import StateMap
+from middleware.tracing import Tracing, hop_done, routed
 from middleware.types import (
     Endpoint,
     InferenceRequest,
@@ -55,13 +56,14 @@ class Dispatcher:
 
     def __init__(
         self, config: GatewayConfig, pipeline: Pipeline, pool: EndpointPool,
-        metrics: GatewayMetrics, states: StateMap,
+        metrics: GatewayMetrics, states: StateMap, tracing: Tracing | None = None,
     ) -> None:
         self.config = config
         self.pipeline = pipeline
         self.pool = pool
         self.metrics = metrics
         self.states = states
+        self.tracing = tracing if tracing is not None else Tracing.off()
         self.session: aiohttp.ClientSession | None = None
         server = config.server
         self.timeout = aiohttp.ClientTimeout(
@@ -70,7 +72,7 @@ class Dispatcher:
         self.two_hop: TwoHop | None = None
         if pipeline.connector is not None and dc is not None:
             self.two_hop = TwoHop(pipeline.connector, pool, self.timeout, dc.settle_timeout_s,
-                                  server.seed, self._count_pd)
+                                  server.seed, self._count_pd, self.tracing)
 
     # -- bookkeeping ------------------------------------------------------------------------
     async def run(
@@ -116,8 +118,11 @@ class Dispatcher:
         tokens.labels(req.model, "completion").inc(usage.completion_tokens)
         if usage.cached_tokens is not None:
             tokens.labels(req.model, "cached").inc(usage.cached_tokens)
-        for hook in self.pipeline.usage_hooks:
-            await hook.on_usage(req, ctx.state, attempt.target, usage)
+        if not self.pipeline.usage_hooks:
+            return
+        with self.tracing.span("kvgate.usage"):  # billing's ledger write, quotas
+            for hook in self.pipeline.usage_hooks:
+                await hook.on_usage(req, ctx.state, attempt.target, usage)
 
     async def _complete(self, ctx: RequestContext, attempt: Attempt, kind: OutcomeKind,
                         error: str | None, will_retry: bool) -> None:
@@ -172,7 +177,9 @@ class Dispatcher:
         excluded: set[str] = set()
         attempts = 1 + self.config.server.retries
         for attempt in range(attempts):
-            decision = self._schedule(ctx, eps, excluded, profile, pinned)
+            with self.tracing.span("kvgate.route") as span:
+                decision = self._schedule(ctx, eps, excluded, profile, pinned)
+                routed(span, decision)
             pinned, last = None, attempt == attempts - 1
             try:
                 return await self._dispatch(ctx, decision, last)
@@ -276,12 +283,32 @@ class Dispatcher:
     async def _forward(self, ctx: RequestContext, attempt: Attempt,
                        body: dict[str, Any] | None = None,
                        rewriter: UsageRewriter | None = None) -> None:
+        """One engine hop (:meth:`_hop`) in its trace span (middleware/tracing.py)."""
+        if not self.tracing.enabled:
+            await self._hop(ctx, attempt, body, rewriter)
+            return
+        attrs = {"kvgate.engine": attempt.target.id,
+                 "kvgate.role": "decode" if rewriter is not None else "both"}
+        status = 0
+        with self.tracing.span("kvgate.upstream", attrs, client=True) as span:
+            try:
+                await self._hop(ctx, attempt, body, rewriter)
+            except HTTPError as err:
+                status = err.status
+                raise
+            finally:
+                hop_done(span, attempt.status or status, attempt.first_byte_at,
+                         ctx.request.received_at)
+
+    async def _hop(self, ctx: RequestContext, attempt: Attempt, body: dict[str, Any] | None,
+                   rewriter: UsageRewriter | None) -> None:
         """Send ``body`` (default: the adapter-shaped client body) to the attempt's target and
         relay the answer; ``rewriter`` edits the usage the client and the usage hooks see."""
         assert self.session is not None
         req, target, adapter = ctx.request, attempt.target, ctx.adapter
         headers = {"content-type": "application/json", "x-request-id": req.request_id,
                    **self.pool.headers(target.id)}
+        self.tracing.inject(headers, ctx.headers)
         url = target.url + adapter.upstream_path(ctx.path)
         try:
             resp = await open_request(self.session, url, self._body(ctx, body), headers,

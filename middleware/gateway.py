@@ -43,6 +43,7 @@ from middleware.plugin import authenticate
 from middleware.pool import EndpointPool
 from middleware.requests import build_request, client_request_id, load_body, new_request_id
 from middleware.states import StateMap
+from middleware.tracing import Tracing
 from middleware.types import Endpoint, InferenceRequest, Principal
 from middleware.upstream import open_request
 
@@ -94,13 +95,15 @@ class Gateway:
     def __init__(
         self, config: GatewayConfig, pipeline: Pipeline, pool: EndpointPool,
         metrics: GatewayMetrics, states: StateMap | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.config = config
         self.pipeline = pipeline
         self.pool = pool
         self.metrics = metrics
         self.states = states if states is not None else StateMap()
-        self.dispatcher = Dispatcher(config, pipeline, pool, metrics, self.states)
+        self.tracing = tracing if tracing is not None else Tracing.off()
+        self.dispatcher = Dispatcher(config, pipeline, pool, metrics, self.states, self.tracing)
         self.plans = PlanRunner(self.dispatcher)
         catalog = pipeline.catalog
         #: Public catalog names: metric labels for models no engine lists (provider models).
@@ -129,6 +132,7 @@ class Gateway:
             headers=header_map(scope), path=scope["path"], query=scope.get("query_string", b""),
             request_id=(loop.request_id if loop and loop.request_id else new_request_id()),
             response_headers=[], loopback=loop)
+        trace = self.tracing.start_request(ctx.headers, adapter.name)
         try:
             client_rid = client_request_id(ctx.headers)
             ctx.response_headers.append((b"x-request-id", (client_rid or ctx.request_id).encode()))
@@ -150,6 +154,8 @@ class Gateway:
         finally:
             if ctx.req is not None:
                 await self._request_end(ctx.req, ctx)
+            if trace is not None:
+                self.tracing.end_request(trace, _span_attributes(ctx))
         self.metrics.requests.labels(adapter.name, self._model_label(ctx), str(ctx.status)).inc()
         self.metrics.latency.labels(adapter.name).observe(time.monotonic() - ctx.received_at)
 
@@ -194,7 +200,8 @@ class Gateway:
         return None if auth is None else authenticate(auth, ctx.headers)
 
     async def _serve(self, ctx: RequestContext, client_rid: str | None) -> int:
-        principal = self._principal(ctx)
+        with self.tracing.span("kvgate.auth"):
+            principal = self._principal(ctx)
         body = await read_body(ctx.receive, ctx.headers, self.config.server.max_body_bytes)
         data = load_body(body)
         ctx.parsed = ctx.adapter.parse(data, ctx.headers)
@@ -250,6 +257,7 @@ class Gateway:
         query = ctx.query.decode("latin-1")
         url = ep.url + ctx.adapter.upstream_path(ctx.path) + (f"?{query}" if query else "")
         headers = {"x-request-id": ctx.request_id, **self.pool.headers(ep.id)}
+        self.tracing.inject(headers, ctx.headers)
         if body:
             headers["content-type"] = ctx.headers.get("content-type", "application/json")
         try:
@@ -260,6 +268,14 @@ class Gateway:
                 self.pool.report_failure(ep.id, err.message)
             raise
         return await _relay_raw(ctx, resp, ep.id)
+
+
+def _span_attributes(ctx: RequestContext) -> dict[str, object]:
+    """The request span's closing attributes (None values are left out)."""
+    req = ctx.req
+    return {"kvgate.request_id": ctx.request_id, "http.response.status_code": ctx.status,
+            "gen_ai.request.model": None if req is None else req.model,
+            "kvgate.tenant": None if req is None else req.tenant}
 
 
 def _healthy(eps: Sequence[Endpoint], engine: str) -> Endpoint | None:

@@ -62,6 +62,7 @@ from engines.sim.protocol import (
 )
 from engines.sim.scheduler import SeqSpec
 from engines.sim.streaming import EventStreamResponse, until_done_or_disconnect, watch_disconnect
+from engines.sim.tracing import SimTracer
 
 #: Largest request body accepted, in bytes (413 past it): a 32k-token prompt is ~130 KB of
 #: text or ~200 KB of token ids, so 16 MiB leaves room for anything sane.
@@ -82,6 +83,8 @@ class SimHandles:
     pd: PdStats
     #: The Mooncake bootstrap server (prefill role with ``pd.bootstrap_port``), else None.
     bootstrap: BootstrapServer | None = None
+    #: The ``llm_request`` span exporter (``otlp_traces_endpoint``; engines/sim/tracing.py).
+    tracer: SimTracer | None = None
 
 
 def sim_handles(app: Starlette) -> SimHandles:
@@ -125,8 +128,16 @@ class SimApi:
         return await self.inference(request, "completions")
 
     async def inference(self, request: Request, api: Api) -> Response:
-        """One inference request: faults, parse, run, answer (see the module docstring)."""
+        """One inference request in its trace span (engines/sim/tracing.py), if traced."""
         request_id = request.headers.get(_REQUEST_ID_HEADER) or secrets.token_hex(16)
+        tracer = self.h.tracer
+        if tracer is None:
+            return await self._inference(request, api, request_id)
+        with tracer.span(request.headers, request_id, self.config.served_model_names[0]):
+            return await self._inference(request, api, request_id)
+
+    async def _inference(self, request: Request, api: Api, request_id: str) -> Response:
+        """One inference request: faults, parse, run, answer (see the module docstring)."""
         headers = {_REQUEST_ID_HEADER: request_id}
         faults = self.h.faults
         if faults.delay_first_byte_s > 0:
@@ -336,8 +347,10 @@ def _handles(config: SimConfig) -> SimHandles:
     pd = config.pd
     bootstrap = None if config.role != "prefill" or pd.bootstrap_port is None else \
         BootstrapServer(config.engine_id, board, pd.bootstrap_host, pd.bootstrap_port)
+    tracer = None if config.otlp_traces_endpoint is None else \
+        SimTracer(config.otlp_traces_endpoint, config.engine_id)
     return SimHandles(config=config, engine=SimEngine(config), faults=FaultState(),
-                      board=board, pd=PdStats(), bootstrap=bootstrap)
+                      board=board, pd=PdStats(), bootstrap=bootstrap, tracer=tracer)
 
 
 def create_sim_app(config: SimConfig) -> Starlette:
@@ -365,6 +378,8 @@ def create_sim_app(config: SimConfig) -> Starlette:
             if bootstrap is not None:
                 await bootstrap.stop()
             await handles.engine.aclose()
+            if handles.tracer is not None:
+                await asyncio.to_thread(handles.tracer.shutdown)
 
     app = Starlette(routes=_routes(api), lifespan=lifespan,
                     exception_handlers={404: _not_found})

@@ -165,6 +165,10 @@ class SimConfig(BaseModel):
     #: instead. Both serve ``/tokenize``, ``/detokenize``; a route not served answers 404
     #: ``{"detail": "Not Found"}``.
     runner: Literal["generate", "pooling"] = "generate"
+    #: OTLP/HTTP base URL to export one ``llm_request`` span per request to, child of the
+    #: request's ``traceparent`` (vLLM's ``--otlp-traces-endpoint``; engines/sim/tracing.py).
+    #: ``None``: no tracing. Needs the ``tracing`` extra.
+    otlp_traces_endpoint: str | None = Field(default=None, pattern=r"^https?://")
 
     @model_validator(mode="after")
     def _check(self) -> SimConfig:

@@ -1,0 +1,174 @@
+"""OpenTelemetry tracing end to end: the gateway (in-process ASGI) over simulated engines that
+trace like vLLM's ``--otlp-traces-endpoint``, both exporting OTLP/HTTP protobuf to an
+in-process collector (a Starlette app on a free loopback port)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from engines.sim.app import sim_handles
+from engines.sim.testing import RunningSim
+from middleware.app import KvgateApp, create_app
+from middleware.config import parse_config
+from middleware.errors import ConfigError
+from tests.integration.conftest import gateway, gateway_config, sim_fleet
+from tests.servers import serve_asgi
+
+CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+CLIENT_TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
+CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 4}
+
+
+@dataclass(frozen=True)
+class Span:
+    service: str
+    name: str
+    trace_id: str
+    span_id: str
+    parent_id: str
+    attributes: dict[str, Any]
+
+
+def _value(v: Any) -> Any:
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(x) for x in v.array_value.values]
+    return getattr(v, kind)
+
+
+class Collector:
+    """Receives ``POST /v1/traces`` (protobuf) and keeps every span."""
+
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        self.app = Starlette(routes=[Route("/v1/traces", self.traces, methods=["POST"])])
+
+    async def traces(self, request: Request) -> Response:
+        export = ExportTraceServiceRequest.FromString(await request.body())
+        for rs in export.resource_spans:
+            res = {a.key: _value(a.value) for a in rs.resource.attributes}
+            for ss in rs.scope_spans:
+                for s in ss.spans:
+                    self.spans.append(Span(
+                        str(res.get("service.name")), s.name, s.trace_id.hex(), s.span_id.hex(),
+                        s.parent_span_id.hex(), {a.key: _value(a.value) for a in s.attributes}))
+        return Response(ExportTraceServiceResponse().SerializeToString(),
+                        media_type="application/x-protobuf")
+
+    def named(self, name: str) -> list[Span]:
+        return [s for s in self.spans if s.name == name]
+
+
+@contextlib.asynccontextmanager
+async def traced(gateway_tracing: bool) -> AsyncIterator[tuple[Collector, RunningSim, Any]]:
+    """A collector, one traced simulated engine and the gateway (traced or not) over it."""
+    collector = Collector()
+    async with serve_asgi(collector.app, lifespan="off") as url, \
+            sim_fleet(1, otlp_traces_endpoint=url) as sims:
+        data = gateway_config([sims[0].url])
+        if gateway_tracing:
+            data["tracing"] = {"otlp_endpoint": url}
+        async with gateway(data) as (app, client):
+            yield collector, sims[0], client
+            await flush(app, sims[0])
+
+
+async def flush(app: KvgateApp, sim: RunningSim) -> None:
+    tracer = sim_handles(sim.app).tracer
+    assert tracer is not None
+    await asyncio.to_thread(tracer.flush)
+    await asyncio.to_thread(app.tracing.flush)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_gateway_and_engine_spans_share_one_trace(stream: bool) -> None:
+    async with traced(True) as (collector, _sim, client):
+        resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
+        assert resp.status_code == 200
+        rid = resp.headers["x-request-id"]
+    (root,) = collector.named("kvgate.request")
+    (engine,) = collector.named("llm_request")
+    (hop,) = collector.named("kvgate.upstream")
+    (route,) = collector.named("kvgate.route")
+    (auth,) = collector.named("kvgate.auth")
+    assert {s.trace_id for s in collector.spans} == {root.trace_id}
+    assert root.parent_id == ""  # no client traceparent: a new trace
+    assert root.service == "kvgate" and engine.service == "sim-0"
+    assert root.attributes == {"kvgate.api": "chat", "kvgate.request_id": rid,
+                               "http.response.status_code": 200,
+                               "gen_ai.request.model": "sim-model"}
+    assert auth.parent_id == route.parent_id == hop.parent_id == root.span_id
+    assert route.attributes["kvgate.engine"] == "sim-0"
+    assert route.attributes["kvgate.profiles"] == ["default"]
+    assert hop.attributes["kvgate.engine"] == "sim-0"
+    assert hop.attributes["kvgate.role"] == "both"
+    assert hop.attributes["http.response.status_code"] == 200
+    assert hop.attributes["kvgate.ttft_s"] >= 0
+    assert engine.parent_id == hop.span_id  # the engine joined under the hop
+    assert engine.attributes["gen_ai.request.id"] == rid
+
+
+async def test_client_traceparent_is_continued() -> None:
+    async with traced(True) as (collector, _sim, client):
+        resp = await client.post("/v1/chat/completions", json=CHAT,
+                                 headers={"traceparent": CLIENT_TRACEPARENT})
+        assert resp.status_code == 200
+    (root,) = collector.named("kvgate.request")
+    (hop,) = collector.named("kvgate.upstream")
+    (engine,) = collector.named("llm_request")
+    assert {s.trace_id for s in collector.spans} == {CLIENT_TRACE}
+    assert root.parent_id == CLIENT_SPAN
+    assert engine.parent_id == hop.span_id
+
+
+@pytest.mark.parametrize(("headers", "parent"), [
+    ({"traceparent": CLIENT_TRACEPARENT}, CLIENT_SPAN),  # passed through unchanged
+    ({}, ""),  # nothing added: the engine starts its own trace
+])
+async def test_tracing_off_passes_the_client_traceparent_through(
+        headers: dict[str, str], parent: str) -> None:
+    async with traced(False) as (collector, _sim, client):
+        resp = await client.post("/v1/chat/completions", json=CHAT, headers=headers)
+        assert resp.status_code == 200
+    (engine,) = collector.spans  # the gateway exports nothing
+    assert engine.name == "llm_request"
+    assert engine.parent_id == parent
+    assert (engine.trace_id == CLIENT_TRACE) == bool(headers)
+
+
+@pytest.mark.parametrize(("tracing", "message"), [
+    ({"otlp_endpoint": "ftp://collector"}, "otlp_endpoint"),
+    ({"otlp_endpoint": "http://c:4318", "sample_ratio": 2}, "sample_ratio"),
+    ({"otlp_endpoint": "http://c:4318", "sampler": "always"}, "sampler"),
+    ({}, "OTEL_EXPORTER_OTLP_ENDPOINT"),
+])
+def test_tracing_config_is_validated_at_startup(
+        tracing: dict[str, Any], message: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    with pytest.raises(ConfigError, match=message):
+        create_app(parse_config(gateway_config(["http://127.0.0.1:1"], tracing=tracing), "t"))
+
+
+def test_tracing_without_the_packages_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)  # import fails
+    data = gateway_config(["http://127.0.0.1:1"], tracing={"otlp_endpoint": "http://c:4318"})
+    with pytest.raises(ConfigError, match=r"kvgate\[tracing\]"):
+        create_app(parse_config(data, "t"))
