@@ -316,7 +316,7 @@ def manifests(fleet: FleetSpec, hpa: bool | None = None) -> dict[str, list[Obj]]
 
 
 def _dump(objs: list[Obj]) -> str:
-    return yaml.safe_dump_all(objs, sort_keys=False, width=100)
+    return yaml.safe_dump_all(objs, sort_keys=False, width=10**6)  # no folded template actions
 
 
 def render_k8s(fleet: FleetSpec) -> dict[str, str]:
