@@ -315,8 +315,21 @@ def manifests(fleet: FleetSpec, hpa: bool | None = None) -> dict[str, list[Obj]]
     return out
 
 
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the ConfigMap's files) as literal blocks, readable in the output."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
 def _dump(objs: list[Obj]) -> str:
-    return yaml.safe_dump_all(objs, sort_keys=False, width=10**6)  # no folded template actions
+    # No line folding: a folded line would split a chart's ``{{ ... }}`` action.
+    return yaml.dump_all(objs, Dumper=_Dumper, sort_keys=False, width=10**6)
 
 
 def render_k8s(fleet: FleetSpec) -> dict[str, str]:
