@@ -22,11 +22,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from engines.sim.app import sim_handles
-from engines.sim.testing import RunningSim
+from engines.sim.config import PdSimConfig, SimConfig
+from engines.sim.testing import RunningSim, serve_sim
 from middleware.app import KvgateApp, create_app
 from middleware.config import parse_config
 from middleware.errors import ConfigError
-from tests.integration.conftest import gateway, gateway_config, sim_fleet
+from middleware.quickstart import pd_config_data
+from tests.integration.conftest import FAST_POOL, gateway, gateway_config, sim_fleet
 from tests.servers import serve_asgi
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -151,6 +153,42 @@ async def test_tracing_off_passes_the_client_traceparent_through(
     assert engine.name == "llm_request"
     assert engine.parent_id == parent
     assert (engine.trace_id == CLIENT_TRACE) == bool(headers)
+
+
+@pytest.mark.parametrize("protocol", ["nixl", "sglang"])
+async def test_each_pd_hop_has_its_span_and_engine_child(protocol: str) -> None:
+    """Prefill and decode hops: one upstream span each (role), each engine's span under its
+    own hop, all in the request's trace."""
+    collector = Collector()
+    async with serve_asgi(collector.app, lifespan="off") as url, \
+            contextlib.AsyncExitStack() as stack:
+        sims = [await stack.enter_async_context(serve_sim(SimConfig(
+            engine_id=name, role=role, time_scale=0.0, pd=PdSimConfig(bootstrap_port=0),
+            otlp_traces_endpoint=url))) for name, role in (("p0", "prefill"), ("d0", "decode"))]
+        data = pd_config_data([sims[0].url], [sims[1].url], protocol)
+        for plugin in data["plugins"]:
+            if plugin["type"] == "pd-profile-handler":
+                plugin["params"]["min_uncached_tokens"] = 0  # always take the prefill hop
+        for eng, sim in zip(data["engines"], sims, strict=True):
+            eng["labels"] = {"bootstrap_port": str(sim.port)}
+        data["pool"], data["tracing"] = FAST_POOL, {"otlp_endpoint": url}
+        async with gateway(data) as (app, client):
+            resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+            assert resp.status_code == 200
+            for sim in sims:
+                await flush(app, sim)
+    (root,) = collector.named("kvgate.request")
+    (route,) = collector.named("kvgate.route")
+    hops = {s.attributes["kvgate.role"]: s for s in collector.named("kvgate.upstream")}
+    engines = {s.service: s for s in collector.named("llm_request")}
+    assert {s.trace_id for s in collector.spans} == {root.trace_id}
+    assert route.attributes["kvgate.prefill"] == "prefill-0"  # the gateway's engine names
+    assert set(hops) == {"prefill", "decode"}
+    assert hops["prefill"].attributes["kvgate.engine"] == "prefill-0"
+    assert hops["decode"].attributes["kvgate.engine"] == "decode-0"
+    assert {h.attributes["http.response.status_code"] for h in hops.values()} == {200}
+    assert engines["p0"].parent_id == hops["prefill"].span_id
+    assert engines["d0"].parent_id == hops["decode"].span_id
 
 
 @pytest.mark.parametrize(("tracing", "message"), [
