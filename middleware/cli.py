@@ -12,6 +12,7 @@ from typing import Any
 
 from middleware.config import (
     PD_CONNECTORS,
+    AccessLogConfig,
     GatewayConfig,
     load_config,
     with_billing,
@@ -26,10 +27,16 @@ from middleware.tokenizer_discovery import discover_tokenizer
 log = logging.getLogger("kvgate.cli")
 
 
-def configure_logging(level: str) -> None:
+def configure_logging(level: str, access_log: AccessLogConfig | None = None) -> None:
+    """The gateway's log on stderr; with ``access_log``, the access log's own handler
+    (middleware/access_log.py: JSON lines on stderr or in its file)."""
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if access_log is not None:
+        from middleware.access_log import install_handler
+
+        install_handler(access_log)
 
 
 def serve_config(config: GatewayConfig, workers: int = 1) -> int:
@@ -43,7 +50,7 @@ def serve_config(config: GatewayConfig, workers: int = 1) -> int:
     from middleware.app import create_app
     from middleware.workers import CONFIG_ENV, WORKERS_ENV, check_workers, serialize
 
-    configure_logging(config.server.log_level)
+    configure_logging(config.server.log_level, config.server.access_log)
     check_workers(config, workers)
     app: Any = create_app(config)  # with workers too: config errors surface here, once
     if workers > 1:

@@ -20,6 +20,16 @@ from middleware.types import Role
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
 
+class AccessLogConfig(BaseModel):
+    """The per-request JSON access log (middleware/access_log.py; docs/observability.md)."""
+
+    model_config = _STRICT
+    #: False: no line is built or written (no work per request).
+    enabled: bool = True
+    #: File the lines are appended to; unset: stderr (the ``kvgate.access`` logger).
+    path: str | None = Field(None, min_length=1)
+
+
 class ServerConfig(BaseModel):
     """HTTP server and request-path settings."""
 
@@ -39,6 +49,7 @@ class ServerConfig(BaseModel):
     #: Seed of the scheduler's random tie-breaks (reproducible routing for a given seed).
     seed: int = 0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    access_log: AccessLogConfig = Field(default_factory=AccessLogConfig)
 
 
 class PoolConfig(BaseModel):

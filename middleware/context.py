@@ -17,7 +17,14 @@ from typing import Any
 from middleware.api import ApiAdapter, ParsedRequest, UsageTap
 from middleware.asgi import Headers, Receive, Send
 from middleware.loopback import LoopbackContext
-from middleware.types import RESPONSE_HEADERS, CycleState, Endpoint, InferenceRequest, Usage
+from middleware.types import (
+    RESPONSE_HEADERS,
+    CycleState,
+    Endpoint,
+    InferenceRequest,
+    Principal,
+    Usage,
+)
 
 
 class TrackedSend:
@@ -57,6 +64,21 @@ class RequestContext:
     status: int = 500
     #: Set when the request came through the in-process loopback (a deferred job's run).
     loopback: LoopbackContext | None = None
+    #: For the access log (middleware/access_log.py), set by the dispatcher: the engines (and
+    #: backends) dispatched to in order (a prefill hop as ``prefill:NAME``), the profiles the
+    #: scheduler ran, the last dispatch's usage, the first upstream byte, the time upstream.
+    engines: list[str] = field(default_factory=list)
+    profiles: tuple[str, ...] = ()
+    usage: Usage | None = None
+    first_byte_at: float | None = None
+    upstream_s: float = 0.0
+    #: The error code of the error answer (``HTTPError.code``, else its type), or
+    #: ``stream_broken`` (the engine broke off mid-answer), if any.
+    error_code: str | None = None
+    #: The client's well-formed ``x-request-id``, as soon as it is read.
+    client_request_id: str | None = None
+    #: Who the authenticator said the caller is (before the body is parsed).
+    principal: Principal | None = None
 
     @property
     def started(self) -> bool:

@@ -84,6 +84,8 @@ class Dispatcher:
         re-raises what ``work`` raised (``HTTPError``: rendered by the gateway)."""
         attempt = Attempt(target, [*ctx.response_headers, (b"x-kvgate-engine", target.id.encode())])
         kind, will_retry = OutcomeKind.UPSTREAM_ERROR, False
+        ctx.engines.append(target.id)
+        started = time.monotonic()
         error: str | None = "dispatch failed"
         try:
             await race(work(attempt), ctx.receive)
@@ -103,6 +105,7 @@ class Dispatcher:
         finally:
             if release is not None:
                 release()
+            _note(ctx, attempt, started)
             await self._complete(ctx, attempt, kind, error, will_retry)
 
     async def report_usage(self, ctx: RequestContext, attempt: Attempt) -> None:
@@ -122,7 +125,9 @@ class Dispatcher:
             return
         with self.tracing.span("kvgate.usage"):  # billing's ledger write, quotas
             for hook in self.pipeline.usage_hooks:
+                t = time.perf_counter()
                 await hook.on_usage(req, ctx.state, attempt.target, usage)
+                self.metrics.observe_hook(hook, "on_usage", t)
 
     async def _complete(self, ctx: RequestContext, attempt: Attempt, kind: OutcomeKind,
                         error: str | None, will_retry: bool) -> None:
@@ -155,7 +160,9 @@ class Dispatcher:
         held (token load, admission slots), and one failing must not leak the others'."""
         for hook in self.pipeline.completion_hooks:
             try:
+                t = time.perf_counter()
                 await hook.on_complete(req, ctx.state, target, outcome)
+                self.metrics.observe_hook(hook, "on_complete", t)
             except Exception as exc:  # the first is re-raised by the caller
                 if errors:
                     log.exception("request %s: completion hook failed too", req.request_id)
@@ -172,7 +179,9 @@ class Dispatcher:
         req = ctx.request
         self._check_model(req, eps)
         for producer in self.pipeline.producers:
+            t = time.perf_counter()
             await producer.prepare(req, ctx.state, eps)
+            self.metrics.observe_hook(producer, "prepare", t)
         pinned = self._pinned(ctx, eps)
         excluded: set[str] = set()
         attempts = 1 + self.config.server.retries
@@ -238,8 +247,11 @@ class Dispatcher:
 
     async def _dispatch(self, ctx: RequestContext, decision: RoutingDecision, last: bool) -> int:
         req = ctx.request
+        ctx.profiles = tuple(decision.profiles)
         for hook in self.pipeline.dispatch_hooks:
+            t = time.perf_counter()
             await hook.before_dispatch(req, ctx.state, decision)
+            self.metrics.observe_hook(hook, "before_dispatch", t)
         target = decision.target
         lease = self.pool.acquire(target.id, req.prompt_token_estimate)
 
@@ -258,6 +270,7 @@ class Dispatcher:
             await self._forward(ctx, attempt)
             return
         assert self.session is not None
+        ctx.engines.append(f"prefill:{prefill.id}")
 
         async def forward(body: dict[str, Any] | None, rewriter: UsageRewriter | None,
                           att: Attempt) -> None:
@@ -367,6 +380,17 @@ def _adjuster(ctx: RequestContext, rewriter: UsageRewriter | None) -> Adjust | N
         return rewriter.adjust(payload, usage, set_cached)[1] or usage
 
     return adjust
+
+
+def _note(ctx: RequestContext, attempt: Attempt, started: float) -> None:
+    """What the access log reports of a dispatch (the last one's usage wins)."""
+    ctx.upstream_s += time.monotonic() - started
+    if attempt.usage is not None:
+        ctx.usage = attempt.usage
+    if ctx.first_byte_at is None:
+        ctx.first_byte_at = attempt.first_byte_at
+    if attempt.broken is not None:
+        ctx.error_code = "stream_broken"
 
 
 async def race(work: Awaitable[T], receive: Receive) -> T:

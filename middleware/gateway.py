@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 
 import aiohttp
 
+from middleware.access_log import AccessLog
 from middleware.api import ApiAdapter, is_by_id, match_route
 from middleware.asgi import (
     ClientGone,
@@ -105,6 +106,7 @@ class Gateway:
         self.tracing = tracing if tracing is not None else Tracing.off()
         self.dispatcher = Dispatcher(config, pipeline, pool, metrics, self.states, self.tracing)
         self.plans = PlanRunner(self.dispatcher)
+        self.access_log = AccessLog(config.server.access_log)
         catalog = pipeline.catalog
         #: Public catalog names: metric labels for models no engine lists (provider models).
         self._catalog_models = frozenset(
@@ -134,7 +136,7 @@ class Gateway:
             response_headers=[], loopback=loop)
         trace = self.tracing.start_request(ctx.headers, adapter.name)
         try:
-            client_rid = client_request_id(ctx.headers)
+            client_rid = ctx.client_request_id = client_request_id(ctx.headers)
             ctx.response_headers.append((b"x-request-id", (client_rid or ctx.request_id).encode()))
             if state_id is not None:
                 ctx.status = await self._by_id(ctx, scope["method"], state_id)
@@ -143,10 +145,11 @@ class Gateway:
         except ClientGone:
             ctx.status = 499
         except HTTPError as err:
-            ctx.status = err.status
+            ctx.status, ctx.error_code = err.status, err.code or err.type
             await self.send_error(ctx, err)
         except Exception:
             log.exception("unexpected error (request %s)", ctx.request_id)
+            ctx.error_code = "internal_error"
             await self.send_error(ctx, internal_error(ctx.request_id))
         except asyncio.CancelledError:  # the server stops, or an in-process caller cancels
             ctx.status = 499
@@ -154,6 +157,7 @@ class Gateway:
         finally:
             if ctx.req is not None:
                 await self._request_end(ctx.req, ctx)
+            self.access_log.write(ctx, scope["method"])
             if trace is not None:
                 self.tracing.end_request(trace, _span_attributes(ctx))
         self.metrics.requests.labels(adapter.name, self._model_label(ctx), str(ctx.status)).inc()
@@ -163,7 +167,9 @@ class Gateway:
         """Every request-end hook runs, even when another raised (each releases its own)."""
         for hook in self.pipeline.request_end_hooks:
             try:
+                t = time.perf_counter()
                 await hook.on_request_end(req, ctx.state, ctx.status)
+                self.metrics.observe_hook(hook, "on_request_end", t)
             except Exception:
                 log.exception("request %s: request-end hook failed", req.request_id)
 
@@ -201,7 +207,7 @@ class Gateway:
 
     async def _serve(self, ctx: RequestContext, client_rid: str | None) -> int:
         with self.tracing.span("kvgate.auth"):
-            principal = self._principal(ctx)
+            principal = ctx.principal = self._principal(ctx)
         body = await read_body(ctx.receive, ctx.headers, self.config.server.max_body_bytes)
         data = load_body(body)
         ctx.parsed = ctx.adapter.parse(data, ctx.headers)
@@ -213,7 +219,9 @@ class Gateway:
         if ctx.loopback is not None:
             req.service_tier = ctx.loopback.tier
         for hook in self.pipeline.request_hooks:
+            t = time.perf_counter()
             await hook.on_request(req, ctx.state)
+            self.metrics.observe_hook(hook, "on_request", t)
         for deferral in self.pipeline.deferrals:
             deferred = await deferral.defer(req, ctx.adapter.name, ctx.path)
             if deferred is not None:

@@ -114,7 +114,7 @@ def worker_app() -> object:
     from middleware.cli import configure_logging
 
     config = worker_config()
-    configure_logging(config.server.log_level)
+    configure_logging(config.server.log_level, config.server.access_log)
     workers = int(os.environ.get(WORKERS_ENV, "1"))
     registry = Registry.from_entry_points()
     slot = claim_slot(workers, Path(".kvgate"))

@@ -53,6 +53,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
+from middleware.access_log import add_log_field
 from middleware.errors import BadRequest, ConfigError, Forbidden
 from middleware.plugin import (
     Authenticator,
@@ -237,6 +238,7 @@ class Billing(Plugin, UsageHook, CompletionHook, Lifecycle, RouteProvider, Metri
         if priced is not None:
             state.put(COST, priced)
             add_response_header(state, self.p.cost_header, money_str(priced.total))
+            add_log_field(state, "cost", money_str(priced.total))
         if self.ledger is not None:  # durable before the client's response ends
             early = Outcome(OutcomeKind.DONE, 200, usage,
                             total_s=time.monotonic() - req.received_at)
@@ -273,6 +275,8 @@ class Billing(Plugin, UsageHook, CompletionHook, Lifecycle, RouteProvider, Metri
         if priced is not None:
             state.put(COST, priced)  # the quotas plugin settles budgets with it
         record = _record(req, state, target, outcome, usage, priced, self._session_key)
+        add_log_field(state, "cost", None if priced is None else money_str(priced.total))
+        add_log_field(state, "session", record.session)  # the keyed digest, never the id
         self._count(record)
         await self.ledger.submit(record)
 

@@ -72,6 +72,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field
 
+from middleware.access_log import add_log_field
 from middleware.errors import ConfigError
 from middleware.plugin import (
     DispatchHook,
@@ -313,7 +314,9 @@ class KvPlacementScorer(Plugin, Scorer, DispatchHook, EndpointSetListener, Metri
             self.ledger.add(engine, tokens, half_life)
             self._inserted[engine] = self._inserted.get(engine, 0.0) + tokens
             self.stats.inserted_tokens += int(tokens)
-        self._count(state.get(PLACEMENT), target)
+        kind = self._count(state.get(PLACEMENT), target)
+        if kind is not None:
+            add_log_field(state, "placement", kind)
         session = state.get(SESSION_KEY)
         if session is not None:
             self._pin(session, target)
@@ -327,13 +330,15 @@ class KvPlacementScorer(Plugin, Scorer, DispatchHook, EndpointSetListener, Metri
                 self.ledger.add(engine, tokens, half_life)
                 self.stats.remote_inserted_tokens += int(tokens)
 
-    def _count(self, placement: Placement | None, target: EndpointId) -> None:
+    def _count(self, placement: Placement | None, target: EndpointId) -> str | None:
+        """The decision's kind (cold, home, moved), counted; None: no placement for it."""
         if placement is None or target not in placement.costs:
-            return  # e.g. P/D: the last placement scored the prefill pool, not the target
+            return None  # e.g. P/D: the last placement scored the prefill pool, not the target
         kind = "cold" if placement.home is None else "home" if placement.home == target else (
             "moved"
         )
         self.stats.decisions[kind] += 1
+        return kind
 
     # -- session pins -------------------------------------------------------------------------
     def _pin_of(self, session: str | None) -> EndpointId | None:

@@ -44,6 +44,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
+from middleware.access_log import add_log_field
 from middleware.errors import BadRequest, ConfigError
 from middleware.plugin import (
     DataProducer,
@@ -453,9 +454,13 @@ class SessionAffinityScorer(
         self, req: InferenceRequest, state: CycleState, decision: RoutingDecision
     ) -> None:
         info = state.get(self._session)
-        if info is None or self.table is None:
+        if info is None:
             return
-        self.table.put_later(info.key, decision.target.id)
+        pinned = state.get(self._pinned)
+        add_log_field(state, "affinity", "hashed" if pinned is None else
+                      "kept" if pinned == decision.target.id else "moved")
+        if self.table is not None:
+            self.table.put_later(info.key, decision.target.id)
 
     # Lifecycle
     async def start(self) -> None:

@@ -1,0 +1,116 @@
+"""The access log: one JSON line per API request, written once when the request ends.
+
+:meth:`AccessLog.write` is called by the gateway (middleware/gateway.py) in the ``finally`` of
+every API request, whatever its outcome: an answer, an error before or after dispatch, a client
+that left (499), an engine that died mid-stream, a two-hop (P/D) dispatch. The line goes to the
+``kvgate.access`` logger at INFO; ``kvgate serve`` gives that logger its own handler (stderr or
+``server.access_log.path``, message only: a line is pure JSON) and stops it propagating, so the
+access lines do not mix with the gateway's log format. In-process (tests) it propagates.
+
+Fields (docs/observability.md): what the core knows of the request (ids, API, status, tenant,
+key id, model, engines, profiles, tokens, durations) and what plugins add with
+:func:`add_log_field` (the billing plugin: ``cost`` and ``session``, the keyed digest its ledger
+stores; routing plugins: ``route``, why they chose). Never the API key, the raw session id, the
+prompt or any header: the core copies none of those, and a plugin adds only what it chooses.
+
+Cost: one ``orjson.dumps`` per request; nothing at all when disabled.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import orjson
+
+from middleware.config import AccessLogConfig
+from middleware.context import RequestContext
+from middleware.types import CycleState, StateKey
+
+LOGGER = "kvgate.access"
+#: Fields plugins add to the request's access-log line (short strings or numbers; never a
+#: secret). A core field of the same name wins.
+LOG_FIELDS: StateKey[dict[str, object]] = StateKey("access-log-fields")
+#: Longest model name copied (a client's string: bounded, so one line stays one line's size).
+_MAX_MODEL = 200
+_HANDLER_MARK = "_kvgate_access"
+
+
+def add_log_field(state: CycleState, name: str, value: object) -> None:
+    """Put ``name: value`` on this request's access-log line (JSON-serializable values)."""
+    fields = state.get(LOG_FIELDS)
+    if fields is None:
+        fields = {}
+        state.put(LOG_FIELDS, fields)
+    fields[name] = value
+
+
+def _round(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 6)
+
+
+class AccessLog:
+    """Builds and writes the lines; ``enabled`` False: :meth:`write` returns at once."""
+
+    def __init__(self, config: AccessLogConfig) -> None:
+        self.enabled = config.enabled
+        self._log = logging.getLogger(LOGGER)
+
+    def write(self, ctx: RequestContext, method: str) -> None:
+        if not self.enabled or not self._log.isEnabledFor(logging.INFO):
+            return
+        self._log.info(orjson.dumps(self.entry(ctx, method), default=str).decode())
+
+    @staticmethod
+    def entry(ctx: RequestContext, method: str) -> dict[str, object]:
+        """The line's fields (plugin fields first: the core's win on a clash)."""
+        now = time.monotonic()
+        req, usage, who = ctx.req, ctx.usage, ctx.principal
+        extra = ctx.state.get(LOG_FIELDS) or {}
+        first = ctx.first_byte_at
+        return {
+            **extra,
+            "ts": round(time.time(), 6),
+            "request_id": ctx.request_id,
+            "client_request_id": ctx.client_request_id,
+            "api": ctx.adapter.name,
+            "method": method,
+            "path": ctx.path,
+            "status": ctx.status,
+            "error": ctx.error_code,
+            "tenant": req.tenant if req is not None else None if who is None else who.tenant,
+            "key_id": req.key_id if req is not None else None if who is None else who.key_id,
+            "model": None if req is None else req.model[:_MAX_MODEL],
+            "engines": ctx.engines,
+            "profiles": list(ctx.profiles),
+            "stream": None if req is None else req.stream,
+            "service_tier": None if req is None else req.service_tier,
+            "prompt_tokens": None if usage is None else usage.prompt_tokens,
+            "cached_tokens": None if usage is None else usage.cached_tokens,
+            "output_tokens": None if usage is None else usage.completion_tokens,
+            "total_s": _round(now - ctx.received_at),
+            "ttfb_s": None if first is None else _round(first - ctx.received_at),
+            "upstream_s": _round(ctx.upstream_s) if ctx.engines else None,
+        }
+
+
+def install_handler(config: AccessLogConfig) -> None:
+    """Give ``kvgate.access`` its own handler (``config.path`` appended to, else stderr),
+    message only, not propagated (``kvgate serve``; idempotent: replaces its own handler)."""
+    logger = logging.getLogger(LOGGER)
+    for old in [h for h in logger.handlers if getattr(h, _HANDLER_MARK, False)]:
+        logger.removeHandler(old)
+        old.close()
+    if not config.enabled:
+        return
+    handler: logging.Handler = (logging.FileHandler(config.path, encoding="utf-8")
+                                if config.path else logging.StreamHandler(sys.stderr))
+    setattr(handler, _HANDLER_MARK, True)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+__all__ = ["LOGGER", "LOG_FIELDS", "AccessLog", "add_log_field", "install_handler"]
