@@ -13,8 +13,9 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from engines.deploy import FleetSpec, load_fleet
+from engines.deploy import FleetSpec, load_fleet, render
 from engines.deploy_k8s import render_chart, render_k8s
+from middleware import cli
 from middleware.config import parse_config
 
 K8S_VERSION = "1.33.0"
@@ -134,3 +135,34 @@ def test_chart_templates_render_to_valid_manifests() -> None:
     gateway = next(d for d in docs if d["kind"] == "Deployment"
                    and d["metadata"]["name"] == "kvgate-gateway")
     assert gateway["spec"]["replicas"] == 2
+
+
+def test_cli_renders_the_example_stack(tmp_path: Path) -> None:
+    out = tmp_path / "k8s"
+    assert cli.main(["deploy", "render", str(EXAMPLE), "--target", "k8s", "--out", str(out)]) == 0
+    written = {p.name: p.read_text(encoding="utf-8") for p in out.iterdir()}
+    assert written == render_k8s(load_fleet(EXAMPLE))
+    docs = _docs(written)
+    _validate(docs)
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert {("StatefulSet", "kvgate-redis"), ("Deployment", "kvgate-mooncake-master"),
+            ("StatefulSet", "kvgate-prefill"), ("StatefulSet", "kvgate-decode"),
+            ("Deployment", "kvgate-gateway")} <= names
+
+
+def test_a_pool_with_differing_engines_is_refused(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(yaml.safe_dump({"model": "m", "pools": {
+        "prefill": [{"host": "a", "port": 8000}, {"host": "b", "port": 8001}],
+        "decode": [{"host": "c", "port": 8000}]}}), encoding="utf-8")
+    code = cli.main(["deploy", "render", str(fleet), "--target", "k8s",
+                     "--out", str(tmp_path / "out")])
+    assert code == 2
+    assert not (tmp_path / "out").exists()
+
+
+def test_example_fleet_renders_as_scripts_too() -> None:
+    files = render(load_fleet(EXAMPLE))
+    assert {"mooncake-master.sh", "prefill-0.sh", "prefill-1.sh", "decode-0.sh", "decode-1.sh",
+            "kvgate.yaml"} <= files.keys()
+    parse_config(yaml.safe_load(files["kvgate.yaml"]), "kvgate.yaml")
