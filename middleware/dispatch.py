@@ -64,6 +64,7 @@ class Dispatcher:
         self.metrics = metrics
         self.states = states
         self.tracing = tracing if tracing is not None else Tracing.off()
+        pipeline.scheduler.keep_scores = self.tracing.enabled
         self.session: aiohttp.ClientSession | None = None
         server = config.server
         self.timeout = aiohttp.ClientTimeout(
@@ -188,7 +189,7 @@ class Dispatcher:
         for attempt in range(attempts):
             with self.tracing.span("kvgate.route") as span:
                 decision = self._schedule(ctx, eps, excluded, profile, pinned)
-                routed(span, decision)
+                routed(span, decision, ctx.state)
             pinned, last = None, attempt == attempts - 1
             try:
                 return await self._dispatch(ctx, decision, last)

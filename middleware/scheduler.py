@@ -22,7 +22,14 @@ from middleware.types import (
     ProfileResult,
     RoutingDecision,
     ScoredEndpoint,
+    StateKey,
 )
+
+#: Tracing's route span (middleware/tracing.py): each profile's best totals, kept only when
+#: ``Scheduler.keep_scores`` is set: profile -> ((engine, total score), ...) best first.
+ROUTE_SCORES: StateKey[dict[str, tuple[tuple[str, float], ...]]] = StateKey("route-scores")
+#: Engines kept per profile: enough to see the margin of the choice, bounded for big pools.
+TOP_SCORES = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +53,15 @@ def _clamp(value: float) -> float:
     return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value
 
 
+def _keep_scores(state: CycleState, profile: str, totals: Mapping[str, float]) -> None:
+    kept = state.get(ROUTE_SCORES)
+    if kept is None:
+        kept = {}
+        state.put(ROUTE_SCORES, kept)
+    best = sorted(totals.items(), key=lambda item: item[1], reverse=True)[:TOP_SCORES]
+    kept[profile] = tuple(best)
+
+
 class Scheduler:
     """Runs profiles over an endpoint snapshot. Owns the seeded RNG used by pickers."""
 
@@ -57,6 +73,8 @@ class Scheduler:
         self.rng = random.Random(seed)
         # A handler may ask for profiles repeatedly; this bounds a buggy one.
         self._max_rounds = 2 * max(1, len(self.profiles))
+        #: Keep each profile's top scores in the cycle state (ROUTE_SCORES): set when tracing.
+        self.keep_scores = False
 
     def run_profile(
         self, profile: Profile, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]
@@ -77,6 +95,8 @@ class Scheduler:
                 if ep_id in totals:
                     totals[ep_id] += ws.weight * _clamp(value)
         scored = [ScoredEndpoint(ep, totals[ep.id]) for ep in eps]
+        if self.keep_scores:
+            _keep_scores(state, profile.name, totals)
         return profile.picker.pick(state, scored, self.rng)
 
     def schedule_profile(

@@ -8,7 +8,9 @@ Spans (all in one trace per request):
 * ``kvgate.auth``: the authenticator's verdict.
 * ``kvgate.route``: one scheduling decision: ``kvgate.engine`` (target), ``kvgate.prefill``,
   ``kvgate.profiles``, ``kvgate.alternates`` (the next engines by rank, at most
-  :data:`MAX_ALTERNATES`). A retried request has one per attempt.
+  :data:`MAX_ALTERNATES`), ``kvgate.scores.PROFILE`` (each profile's best weighted totals as
+  ``engine=score``, at most ``TOP_SCORES`` = 3; the scheduler keeps them only when tracing is
+  on). A retried request has one per attempt.
 * ``kvgate.upstream`` (CLIENT): one engine hop: ``kvgate.engine``, ``kvgate.role`` (``both``,
   ``prefill``, ``decode``), ``http.response.status_code``, ``kvgate.ttft_s``. A fresh
   ``traceparent`` naming this span is sent to the engine, so an engine that traces (vLLM with
@@ -38,7 +40,8 @@ from typing import Any
 
 from middleware.config import TracingConfig
 from middleware.errors import ConfigError
-from middleware.types import RoutingDecision
+from middleware.scheduler import ROUTE_SCORES
+from middleware.types import CycleState, RoutingDecision
 
 #: Alternates named on a route span: enough to see the runner-up, bounded for big pools.
 MAX_ALTERNATES = 3
@@ -160,10 +163,14 @@ class Tracing:
             self._provider.shutdown()
 
 
-def routed(span: Any, decision: RoutingDecision) -> None:
-    """A route span's attributes from the scheduler's decision (bounded)."""
+def routed(span: Any, decision: RoutingDecision, state: CycleState) -> None:
+    """A route span's attributes from the scheduler's decision and each profile's top scores
+    (``kvgate.scores.PROFILE``: ``engine=score`` strings, best first; bounded)."""
     if not span.is_recording():
         return
+    for profile, best in (state.get(ROUTE_SCORES) or {}).items():
+        span.set_attribute(f"kvgate.scores.{profile}",
+                           [f"{engine}={score:.4f}" for engine, score in best])
     span.set_attribute("kvgate.engine", decision.target.id)
     if decision.prefill is not None:
         span.set_attribute("kvgate.prefill", decision.prefill.id)

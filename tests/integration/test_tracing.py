@@ -119,6 +119,8 @@ async def test_gateway_and_engine_spans_share_one_trace(stream: bool) -> None:
     assert auth.parent_id == route.parent_id == hop.parent_id == root.span_id
     assert route.attributes["kvgate.engine"] == "sim-0"
     assert route.attributes["kvgate.profiles"] == ["default"]
+    (score,) = route.attributes["kvgate.scores.default"]  # one engine: one total
+    assert score.startswith("sim-0=") and 0 <= float(score.split("=")[1]) <= 1
     assert hop.attributes["kvgate.engine"] == "sim-0"
     assert hop.attributes["kvgate.role"] == "both"
     assert hop.attributes["http.response.status_code"] == 200
