@@ -69,6 +69,8 @@ class KvgateApp:
         for plugin in self.pipeline.plugins.values():
             if isinstance(plugin, MetricsSource):
                 self.metrics.registry.register(plugin.collector())
+        self.metrics.add_plugins(self.pipeline.plugins)
+        self.pipeline.scheduler.observe = self.metrics.observe_hook
         plugin_paths = {path for _, path in self.pipeline.routes}
         adapters = registry.api_adapters(config.apis, config.source)
         self.apis = ApiRoutes(adapters, _CORE_PATHS | plugin_paths)

@@ -1,21 +1,100 @@
 """Prometheus metrics, one registry per app (no global state).
 
 Label cardinality is bounded: ``model`` is a served model name or ``other``; ``engine`` is a
-configured engine name; ``api``, ``status`` and ``kind`` take a handful of values.
+configured engine name; ``api``, ``status`` and ``kind`` take a handful of values; ``plugin``
+is a configured plugin instance, ``hook`` one of a dozen extension-point methods, ``holder`` and
+``counter`` the attribute and field names of a plugin's counters (:class:`PluginCounters`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from middleware.plugin import Plugin
 from middleware.types import Endpoint
 
 # Latency buckets (s): from 1 ms (gateway-only errors) to 10 min (long generations).
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 600)
+# Plugin hook buckets (s): a scorer takes microseconds, a hook that awaits Redis milliseconds,
+# a tokenizer on a long prompt tens of milliseconds; past 1 s something is wrong.
+_HOOK_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                 0.05, 0.1, 0.25, 1)
+#: A dict holder with more keys than this is not exported (it is keyed by something unbounded:
+#: tenants, sessions), so one plugin cannot blow up the label set.
+MAX_HOLDER_KEYS = 64
+_Number = (int, float)
+
+
+def _numbers(value: object) -> dict[str, float] | None:
+    """A dict of str -> number (bools excluded) as floats, else None."""
+    if not isinstance(value, dict) or not value or len(value) > MAX_HOLDER_KEYS:
+        return None
+    out: dict[str, float] = {}
+    for key, item in value.items():
+        if not isinstance(key, str) or isinstance(item, bool) or not isinstance(item, _Number):
+            return None
+        out[key] = float(item)
+    return out
+
+
+def counter_values(value: object) -> dict[str, float] | None:
+    """The counters a holder carries, by name, or None when ``value`` is not a holder: a
+    (not frozen) dataclass instance whose number fields (and str -> number dict fields, as
+    ``field.key``) are its counters, or a str -> number dict (at most
+    :data:`MAX_HOLDER_KEYS` keys)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        if type(value).__dataclass_params__.frozen:  # type: ignore[attr-defined]
+            return None  # settings (thresholds, params), not counters: counters change
+        out: dict[str, float] = {}
+        for f in dataclasses.fields(value):
+            item = getattr(value, f.name)
+            if isinstance(item, _Number) and not isinstance(item, bool):
+                out[f.name] = float(item)
+            elif (nested := _numbers(item)) is not None:
+                out.update((f"{f.name}.{k}", v) for k, v in nested.items())
+        return out or None
+    return _numbers(value)
+
+
+def counter_holders(plugin: object, depth: int = 1) -> dict[str, dict[str, float]]:
+    """A plugin's counter holders by public attribute path (``stats``, ``counts``, and one
+    level down, e.g. ``index.stats`` of a helper object it owns; other plugins it refers to are
+    not entered: they export their own)."""
+    out: dict[str, dict[str, float]] = {}
+    for name, value in getattr(plugin, "__dict__", {}).items():
+        if name.startswith("_") or isinstance(value, (type, Plugin)):
+            continue
+        found = counter_values(value)
+        if found is not None:
+            out[name] = found
+        elif depth > 0 and hasattr(value, "__dict__"):
+            out.update((f"{name}.{k}", v) for k, v in counter_holders(value, depth - 1).items())
+    return out
+
+
+class PluginCounters(Collector):
+    """Every plugin's counters, found generically at scrape time (:func:`counter_holders`):
+    ``kvgate_plugin_counter{plugin, holder, counter}``. A gauge, as the plugin holds it: most
+    are monotonic counts (use ``rate()``), a few are current sizes."""
+
+    def __init__(self, plugins: Mapping[str, object]) -> None:
+        self._plugins = plugins
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "kvgate_plugin_counter", "Every plugin's counters (attribute holder, field counter)",
+            labels=["plugin", "holder", "counter"])
+        for name, plugin in self._plugins.items():
+            for holder, values in counter_holders(plugin).items():
+                for counter, value in values.items():
+                    family.add_metric([name, holder, counter], value)
+        yield family
 
 
 class _PoolCollector(Collector):
@@ -82,7 +161,28 @@ class GatewayMetrics:
             "kvgate_pd_requests", "Requests routed with a prefill hop, by how the hop went "
             "(two_hop, fallback: decoded locally, prefill_cancelled)", ["result"], registry=r
         )
+        self.hook_seconds = Histogram(
+            "kvgate_plugin_hook_duration_seconds", "Time in one plugin hook call",
+            ["plugin", "hook"], buckets=_HOOK_BUCKETS, registry=r,
+        )
+        self._hook_children: dict[tuple[int, str], Histogram] = {}
+        self._plugin_names: dict[int, str] = {}
         r.register(_PoolCollector(snapshot))
+
+    def add_plugins(self, plugins: Mapping[str, object]) -> None:
+        """Export the plugins' counters and name their hook timings (once, at build)."""
+        self._plugin_names = {id(p): name for name, p in plugins.items()}
+        self.registry.register(PluginCounters(plugins))
+
+    def observe_hook(self, plugin: object, hook: str, since: float) -> None:
+        """One call of ``plugin``'s ``hook`` that began at ``since`` (``time.perf_counter``)."""
+        elapsed = time.perf_counter() - since
+        key = (id(plugin), hook)
+        child = self._hook_children.get(key)
+        if child is None:
+            name = self._plugin_names.get(id(plugin), type(plugin).__name__)
+            child = self._hook_children[key] = self.hook_seconds.labels(name, hook)
+        child.observe(elapsed)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

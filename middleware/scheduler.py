@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from middleware.errors import NoEndpointAvailable
@@ -53,6 +54,10 @@ def _clamp(value: float) -> float:
     return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value
 
 
+def _ignore(plugin: object, hook: str, since: float) -> None:
+    """The default observer: no metrics."""
+
+
 def _keep_scores(state: CycleState, profile: str, totals: Mapping[str, float]) -> None:
     kept = state.get(ROUTE_SCORES)
     if kept is None:
@@ -75,12 +80,18 @@ class Scheduler:
         self._max_rounds = 2 * max(1, len(self.profiles))
         #: Keep each profile's top scores in the cycle state (ROUTE_SCORES): set when tracing.
         self.keep_scores = False
+        #: Told each filter, scorer and picker call (plugin, hook, ``perf_counter`` at its
+        #: start): the app sets the metrics' hook histogram here.
+        self.observe: Callable[[object, str, float], None] = _ignore
 
     def run_profile(
         self, profile: Profile, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]
     ) -> ProfileResult:
+        observe = self.observe
         for name, flt in profile.filters:
+            t = time.perf_counter()
             eps = flt.filter(req, state, eps)
+            observe(flt, "filter", t)
             if not eps:
                 raise NoEndpointAvailable(
                     f"no engine can serve model {req.model!r} now (profile {profile.name!r}, "
@@ -90,14 +101,19 @@ class Scheduler:
             raise NoEndpointAvailable(f"no engine can serve model {req.model!r} now")
         totals = dict.fromkeys((ep.id for ep in eps), 0.0)
         for ws in profile.scorers:
+            t = time.perf_counter()
             scores = ws.scorer.score(req, state, eps)
+            observe(ws.scorer, "score", t)
             for ep_id, value in scores.items():
                 if ep_id in totals:
                     totals[ep_id] += ws.weight * _clamp(value)
         scored = [ScoredEndpoint(ep, totals[ep.id]) for ep in eps]
         if self.keep_scores:
             _keep_scores(state, profile.name, totals)
-        return profile.picker.pick(state, scored, self.rng)
+        t = time.perf_counter()
+        result = profile.picker.pick(state, scored, self.rng)
+        observe(profile.picker, "pick", t)
+        return result
 
     def schedule_profile(
         self, name: str, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]
