@@ -48,6 +48,9 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
                    help="event layout: tagged maps (newer vLLM) or positional arrays (older)")
     p.add_argument("--kv-events-topic", help="topic frame (default kv@<engine-id>@<model>)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (warning)")
+    p.add_argument("--otlp-traces-endpoint", metavar="URL",
+                   help="OTLP/HTTP collector base URL: one llm_request span per request, child "
+                        "of its traceparent (needs kvgate[tracing])")
     p.add_argument("--role", choices=["both", "prefill", "decode"], default="both",
                    help="prefill/decode role (both; see docs/disaggregation.md)")
     p.add_argument("--bootstrap-port", type=int,
@@ -94,6 +97,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         responses_store=not args.no_responses_store,
         enable_auto_tool_choice=not args.no_auto_tool_choice,
         enable_scale_out=not args.no_scale_out,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 
@@ -140,7 +144,7 @@ def child_argv(args: argparse.Namespace, index: int) -> list[str]:
         argv += ["--model", name]
     for flag in ("block_size", "capacity_blocks", "max_model_len", "max_num_seqs",
                  "max_num_batched_tokens", "time_scale", "seed", "kv_events_encoding",
-                 "kv_events_topic", "log_level", "role", "runner"):
+                 "kv_events_topic", "log_level", "role", "runner", "otlp_traces_endpoint"):
         value = getattr(args, flag)
         if value is not None:
             argv += ["--" + flag.replace("_", "-"), str(value)]

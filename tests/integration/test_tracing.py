@@ -4,6 +4,7 @@ in-process collector (a Starlette app on a free loopback port)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import sys
@@ -22,6 +23,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from engines.sim.app import sim_handles
+from engines.sim.cli import child_argv, config_from_args, register
 from engines.sim.config import PdSimConfig, SimConfig
 from engines.sim.testing import RunningSim, serve_sim
 from middleware.app import KvgateApp, create_app
@@ -212,3 +214,13 @@ def test_tracing_without_the_packages_names_the_extra(monkeypatch: pytest.Monkey
     data = gateway_config(["http://127.0.0.1:1"], tracing={"otlp_endpoint": "http://c:4318"})
     with pytest.raises(ConfigError, match=r"kvgate\[tracing\]"):
         create_app(parse_config(data, "t"))
+
+
+def test_sim_cli_flag_reaches_config_and_children() -> None:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["sim", "--count", "2", "--otlp-traces-endpoint", "http://c:4318"])
+    assert config_from_args(args).otlp_traces_endpoint == "http://c:4318"
+    argv = child_argv(args, 1)
+    assert argv[argv.index("--otlp-traces-endpoint") + 1] == "http://c:4318"
+    assert config_from_args(parser.parse_args(["sim"])).otlp_traces_endpoint is None
