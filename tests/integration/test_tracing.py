@@ -10,6 +10,7 @@ import contextlib
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,6 +31,7 @@ from middleware.app import KvgateApp, create_app
 from middleware.config import parse_config
 from middleware.errors import ConfigError
 from middleware.quickstart import pd_config_data
+from tests.integration.billing_helpers import billing_config, write_keys
 from tests.integration.conftest import FAST_POOL, gateway, gateway_config, sim_fleet
 from tests.servers import serve_asgi
 
@@ -157,6 +159,33 @@ async def test_tracing_off_passes_the_client_traceparent_through(
     assert engine.name == "llm_request"
     assert engine.parent_id == parent
     assert (engine.trace_id == CLIENT_TRACE) == bool(headers)
+
+
+async def test_billed_request_traces_tenant_and_ledger_write(tmp_path: Path) -> None:
+    """With api-keys and billing: the tenant on the request span, the usage hooks (the ledger
+    write) in their own span; a refused key ends at auth (401, no upstream span)."""
+    collector = Collector()
+    keys = write_keys(tmp_path)
+    async with serve_asgi(collector.app, lifespan="off") as url, \
+            sim_fleet(1, otlp_traces_endpoint=url) as sims:
+        data = billing_config([sims[0].url], tmp_path, keys)
+        data["tracing"] = {"otlp_endpoint": url}
+        async with gateway(data) as (app, client):
+            ok = await client.post("/v1/chat/completions", json=CHAT, headers=keys.auth("user"))
+            refused = await client.post("/v1/chat/completions", json=CHAT,
+                                        headers={"authorization": "Bearer sk-wrong"})
+            assert (ok.status_code, refused.status_code) == (200, 401)
+            await flush(app, sims[0])
+    roots = {s.attributes["http.response.status_code"]: s for s in collector.named("kvgate.request")}
+    assert set(roots) == {200, 401}
+    assert roots[200].attributes["kvgate.tenant"] == "globex"
+    assert "kvgate.tenant" not in roots[401].attributes
+    (usage,) = collector.named("kvgate.usage")
+    (hop,) = collector.named("kvgate.upstream")
+    assert usage.trace_id == roots[200].trace_id
+    assert usage.parent_id in {hop.span_id, roots[200].span_id}
+    assert len(collector.named("kvgate.auth")) == 2
+    assert {s.trace_id for s in collector.named("llm_request")} == {roots[200].trace_id}
 
 
 @pytest.mark.parametrize("protocol", ["nixl", "sglang"])
