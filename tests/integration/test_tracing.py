@@ -9,19 +9,10 @@ import asyncio
 import contextlib
 import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
 
 from engines.sim.app import sim_handles
 from engines.sim.cli import child_argv, config_from_args, register
@@ -33,6 +24,7 @@ from middleware.errors import ConfigError
 from middleware.quickstart import pd_config_data
 from tests.integration.billing_helpers import billing_config, write_keys
 from tests.integration.conftest import FAST_POOL, gateway, gateway_config, sim_fleet
+from tests.integration.otlp_collector import Collector
 from tests.servers import serve_asgi
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -40,46 +32,6 @@ CLIENT_SPAN = "00f067aa0ba902b7"
 CLIENT_TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
 CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "hello"}],
         "max_tokens": 4}
-
-
-@dataclass(frozen=True)
-class Span:
-    service: str
-    name: str
-    trace_id: str
-    span_id: str
-    parent_id: str
-    attributes: dict[str, Any]
-
-
-def _value(v: Any) -> Any:
-    kind = v.WhichOneof("value")
-    if kind == "array_value":
-        return [_value(x) for x in v.array_value.values]
-    return getattr(v, kind)
-
-
-class Collector:
-    """Receives ``POST /v1/traces`` (protobuf) and keeps every span."""
-
-    def __init__(self) -> None:
-        self.spans: list[Span] = []
-        self.app = Starlette(routes=[Route("/v1/traces", self.traces, methods=["POST"])])
-
-    async def traces(self, request: Request) -> Response:
-        export = ExportTraceServiceRequest.FromString(await request.body())
-        for rs in export.resource_spans:
-            res = {a.key: _value(a.value) for a in rs.resource.attributes}
-            for ss in rs.scope_spans:
-                for s in ss.spans:
-                    self.spans.append(Span(
-                        str(res.get("service.name")), s.name, s.trace_id.hex(), s.span_id.hex(),
-                        s.parent_span_id.hex(), {a.key: _value(a.value) for a in s.attributes}))
-        return Response(ExportTraceServiceResponse().SerializeToString(),
-                        media_type="application/x-protobuf")
-
-    def named(self, name: str) -> list[Span]:
-        return [s for s in self.spans if s.name == name]
 
 
 @contextlib.asynccontextmanager
