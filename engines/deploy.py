@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engines.k8s_spec import KubernetesSpec
 from middleware.errors import ConfigError
@@ -61,9 +61,29 @@ class EngineSpec(BaseModel):
 
 
 class Pools(BaseModel):
+    """Either ``prefill`` and ``decode`` (P/D disaggregation) or ``engines`` alone (no P/D:
+    each engine serves whole requests; the gateway names them ``engine-<i>``)."""
+
     model_config = _STRICT
-    prefill: tuple[EngineSpec, ...] = Field(min_length=1)
-    decode: tuple[EngineSpec, ...] = Field(min_length=1)
+    prefill: tuple[EngineSpec, ...] = ()
+    decode: tuple[EngineSpec, ...] = ()
+    engines: tuple[EngineSpec, ...] = ()
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> Pools:
+        pd = bool(self.prefill) and bool(self.decode)
+        if pd == bool(self.engines) or (not pd and (self.prefill or self.decode)):
+            raise ValueError("give pools.prefill and pools.decode (P/D), or pools.engines "
+                             "alone (no P/D)")
+        return self
+
+    def of(self, role: str) -> tuple[EngineSpec, ...]:
+        """The engines of ``role`` (``prefill``, ``decode`` or ``engine``)."""
+        return self.engines if role == "engine" else getattr(self, role)
+
+    def roles(self) -> list[tuple[str, tuple[EngineSpec, ...]]]:
+        """The non-empty pools in gateway order."""
+        return [(r, self.of(r)) for r in ("prefill", "decode", "engine") if self.of(r)]
 
 
 class MasterSpec(BaseModel):
@@ -130,7 +150,7 @@ def kv_events_ports(fleet: FleetSpec) -> dict[tuple[str, int], int]:
     """The KV-event port of each engine (by role and index): per host, counting up."""
     ports: dict[tuple[str, int], int] = {}
     per_host: dict[str, int] = {}
-    for role, specs in (("prefill", fleet.pools.prefill), ("decode", fleet.pools.decode)):
+    for role, specs in fleet.pools.roles():
         for i, spec in enumerate(specs):
             n = per_host.get(spec.host, 0)
             per_host[spec.host] = n + 1
@@ -145,11 +165,13 @@ def _kv_events_config(port: int) -> str:
                      "endpoint": f"tcp://*:{port}"})
 
 
-def _vllm(fleet: FleetSpec, spec: EngineSpec, kv_config: dict[str, Any], events: int) -> str:
+def _vllm(
+    fleet: FleetSpec, spec: EngineSpec, kv_config: dict[str, Any] | None, events: int
+) -> str:
+    transfer = [] if kv_config is None else ["--kv-transfer-config", _compact(kv_config)]
     args = ["vllm", "serve", fleet.model, "--host", "0.0.0.0", "--port", str(spec.port),
             "--enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--kv-events-config", _kv_events_config(events),
-            "--kv-transfer-config", _compact(kv_config),
+            "--kv-events-config", _kv_events_config(events), *transfer,
             *_tool_args(fleet, auto_flag=True), *fleet.engine_args, *spec.args]
     return shlex.join(args)
 
@@ -197,6 +219,8 @@ def engine_launch(
         env.append(("VLLM_ENABLE_RESPONSES_API_STORE", "1"))
     files: dict[str, str] = {}
     kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+    if role == "engine" and proto != "lmcache-mooncake":  # no P/D: no KV transfer
+        return env, _plain(fleet, spec, events), files
     if proto == "nixl":
         env += [("VLLM_NIXL_SIDE_CHANNEL_HOST", spec.host),
                 ("VLLM_NIXL_SIDE_CHANNEL_PORT", str(side))]
@@ -219,6 +243,16 @@ def engine_launch(
             "--kv-events-config", _kv_events_config(events),
             *_tool_args(fleet, auto_flag=False), *fleet.engine_args, *spec.args])
     return env, cmd, files
+
+
+def _plain(fleet: FleetSpec, spec: EngineSpec, events: int) -> str:
+    if fleet.protocol != "sglang":
+        return _vllm(fleet, spec, None, events)
+    return shlex.join([
+        "python", "-m", "sglang.launch_server", "--model-path", fleet.model, "--host", "0.0.0.0",
+        "--port", str(spec.port), "--enable-cache-report",
+        "--kv-events-config", _kv_events_config(events),
+        *_tool_args(fleet, auto_flag=False), *fleet.engine_args, *spec.args])
 
 
 def _mooncake(
@@ -277,8 +311,9 @@ def _gateway_config(fleet: FleetSpec) -> str:
     """The quick start's cache-aware P/D preset over the fleet, consuming every engine's KV
     events (one socket per engine), plus the protocol's connector and bootstrap labels."""
     ports = kv_events_ports(fleet)
-    pools = (("prefill", fleet.pools.prefill), ("decode", fleet.pools.decode))
+    pools = fleet.pools.roles()
     qs = QuickStart(
+        engines=tuple(f"http://{s.host}:{s.port}" for s in fleet.pools.engines),
         prefill=tuple(f"http://{s.host}:{s.port}" for s in fleet.pools.prefill),
         decode=tuple(f"http://{s.host}:{s.port}" for s in fleet.pools.decode),
         kv_events=tuple(f"tcp://{spec.host}:{ports[(role, i)]}"
@@ -291,11 +326,12 @@ def _gateway_config(fleet: FleetSpec) -> str:
     for eng in data["engines"]:
         role, _, index = eng["name"].partition("-")
         i = int(index)
-        spec = fleet.pools.prefill[i] if role == "prefill" else fleet.pools.decode[i]
+        spec = fleet.pools.of(role)[i]
         if role == "prefill" and fleet.protocol in ("mooncake", "sglang"):
             eng["labels"] = {"bootstrap_host": spec.host,
                              "bootstrap_port": str(_side_port(spec, fleet.protocol, i))}
-    data["disaggregation"] = {"connector": CONNECTOR[fleet.protocol]}
+    if not fleet.pools.engines:
+        data["disaggregation"] = {"connector": CONNECTOR[fleet.protocol]}
     return yaml.safe_dump(data, sort_keys=False)
 
 
@@ -306,7 +342,7 @@ def render(fleet: FleetSpec) -> dict[str, str]:
     if fleet.protocol == "lmcache-mooncake":
         files["mooncake-master.sh"] = _master_script(fleet)
         order.append("mooncake-master.sh (on the master host)")
-    for role, specs in (("prefill", fleet.pools.prefill), ("decode", fleet.pools.decode)):
+    for role, specs in fleet.pools.roles():
         for i, spec in enumerate(specs):
             files.update(_engine_files(fleet, role, i, spec))
             order.append(f"{role}-{i}.sh (on {spec.host})")

@@ -56,7 +56,7 @@ def _master_host(k: KubernetesSpec) -> str:
 
 
 def _pool_specs(fleet: FleetSpec, role: str) -> Any:
-    return fleet.pools.prefill if role == "prefill" else fleet.pools.decode
+    return fleet.pools.of(role)
 
 
 def _check_pool(fleet: FleetSpec, role: str) -> None:
@@ -75,10 +75,9 @@ def k8s_fleet(fleet: FleetSpec) -> FleetSpec:
     config's view) and one side port per pool (every pod has its own address)."""
     k = fleet.kubernetes
     pools: dict[str, Any] = {}
-    for role in ("prefill", "decode"):
-        specs = _pool_specs(fleet, role)
+    for role, specs in fleet.pools.roles():
         side = _side_port(specs[0], fleet.protocol, 0)
-        pools[role] = tuple(s.model_copy(update={
+        pools["engines" if role == "engine" else role] = tuple(s.model_copy(update={
             "host": _dns(f"kvgate-{role}-{i}", f"kvgate-{role}", k), "side_port": side,
             "gpus": ",".join(str(g) for g in range(len(s.gpus.split(","))))})
             for i, s in enumerate(specs))
@@ -97,7 +96,7 @@ def _gateway_yaml(fleet: FleetSpec) -> str:
 def _config_map(fleet: FleetSpec) -> Obj:
     data = {"kvgate.yaml": _gateway_yaml(fleet)}
     if fleet.protocol == "lmcache-mooncake":
-        for role in ("prefill", "decode"):
+        for role, _ in fleet.pools.roles():
             _, _, files = _engine(fleet, role)
             data.update({f"lmcache-{role}.yaml": text for text in files.values()})
     return {"apiVersion": "v1", "kind": "ConfigMap",
@@ -107,8 +106,7 @@ def _config_map(fleet: FleetSpec) -> Obj:
 def _engine(fleet: FleetSpec, role: str) -> tuple[list[tuple[str, str]], str, dict[str, str]]:
     """Environment and command of one pod of the pool: addresses are the pod's own IP
     (``$(POD_IP)``, expanded by the kubelet), the GPUs are the container's."""
-    spec = k8s_fleet(fleet).pools.prefill[0] if role == "prefill" else \
-        k8s_fleet(fleet).pools.decode[0]
+    spec = k8s_fleet(fleet).pools.of(role)[0]
     local = spec.model_copy(update={"host": "$(POD_IP)"})
     return engine_launch(k8s_fleet(fleet), role, 0, local)
 
@@ -134,8 +132,7 @@ def _engine_container(fleet: FleetSpec, role: str) -> Obj:
         env.append({"name": name, "value": value})
     if k.hf_token is not None:
         env.append(_secret_env("HF_TOKEN", k.hf_token, optional=True))
-    side = _side_port(k8s_fleet(fleet).pools.prefill[0] if role == "prefill"
-                      else k8s_fleet(fleet).pools.decode[0], fleet.protocol, 0)
+    side = _side_port(k8s_fleet(fleet).pools.of(role)[0], fleet.protocol, 0)
     probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10}
     return {
         "name": "engine", "image": k.engine_image, "command": command, "env": env,
@@ -309,8 +306,8 @@ def manifests(fleet: FleetSpec, hpa: bool | None = None) -> dict[str, list[Obj]]
         out["20-redis.yaml"] = _redis(k)
     if fleet.protocol == "lmcache-mooncake":
         out["30-mooncake-master.yaml"] = _mooncake_master(fleet)
-    out["40-prefill.yaml"] = _pool(fleet, "prefill")
-    out["41-decode.yaml"] = _pool(fleet, "decode")
+    for n, (role, _) in enumerate(fleet.pools.roles()):
+        out[f"4{n}-{role}.yaml"] = _pool(fleet, role)
     out["50-gateway.yaml"] = _gateway(fleet, checksum, hpa)
     return out
 

@@ -26,18 +26,23 @@ EXAMPLE = ROOT / "docs/examples/fleet.yaml"
 CHART = ROOT / "deploy/helm/kvgate"
 
 
-def _fleet(protocol: str, replicas: int, redis: str, n: int = 2) -> FleetSpec:
-    engines = [{"host": f"10.0.0.{i}", "port": 8000, "gpus": "0,1"} for i in range(n)]
+def _fleet(protocol: str, replicas: int, redis: str, pd: bool = True) -> FleetSpec:
+    engines = [{"host": f"10.0.0.{i}", "port": 8000, "gpus": "0,1"} for i in range(2)]
+    pools = {"prefill": engines, "decode": engines[:1]} if pd else {"engines": engines}
     return FleetSpec.model_validate({
         "model": "org/model-8b", "protocol": protocol, "tool_call_parser": "hermes",
-        "pools": {"prefill": engines, "decode": engines[:1]},
+        "pools": pools,
         "kubernetes": {"gateway_replicas": replicas, "gateway_max_replicas": max(replicas, 1),
                        "redis": redis, "provider_keys": {
                            "OPENAI_API_KEY": {"name": "provider-keys", "key": "openai"}}}})
 
 
-CASES = [("nixl", 1, "none"), ("nixl", 3, "in-cluster"), ("mooncake", 2, "external"),
-         ("lmcache-mooncake", 2, "in-cluster"), ("sglang", 1, "in-cluster")]
+#: (protocol, P/D, gateway replicas, redis); "nixl" without P/D: plain vLLM engines.
+CASES = [("nixl", False, 1, "none"), ("nixl", False, 2, "in-cluster"),
+         ("nixl", True, 1, "none"), ("nixl", True, 3, "in-cluster"),
+         ("mooncake", True, 2, "external"), ("lmcache-mooncake", True, 2, "in-cluster"),
+         ("lmcache-mooncake", False, 1, "in-cluster"), ("sglang", True, 1, "in-cluster")]
+PARAMS = ("protocol", "pd", "replicas", "redis")
 
 
 def _docs(files: dict[str, str]) -> list[dict[str, Any]]:
@@ -55,14 +60,14 @@ def _envs(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             for c in d["spec"]["template"]["spec"]["containers"] for e in c.get("env", [])}
 
 
-@pytest.mark.parametrize(("protocol", "replicas", "redis"), CASES)
-def test_manifests_validate_and_reference_secrets(protocol: str, replicas: int,
+@pytest.mark.parametrize(PARAMS, CASES)
+def test_manifests_validate_and_reference_secrets(protocol: str, pd: bool, replicas: int,
                                                   redis: str) -> None:
-    docs = _docs(render_k8s(_fleet(protocol, replicas, redis)))
+    docs = _docs(render_k8s(_fleet(protocol, replicas, redis, pd)))
     _validate(docs)
     kinds = [d["kind"] for d in docs]
     assert "Secret" not in kinds
-    assert kinds.count("StatefulSet") == 2 + (redis == "in-cluster")
+    assert kinds.count("StatefulSet") == 1 + pd + (redis == "in-cluster")
     assert ("Deployment" in kinds) and ("PodDisruptionBudget" in kinds)
     env = _envs(docs)
     secret_names = ["KVGATE_SECRET", "OPENAI_API_KEY", "HF_TOKEN"]
@@ -76,20 +81,25 @@ def test_manifests_validate_and_reference_secrets(protocol: str, replicas: int,
     assert gateway["spec"]["replicas"] == replicas
 
 
-@pytest.mark.parametrize(("protocol", "replicas", "redis"), CASES)
-def test_config_map_is_a_valid_gateway_config(protocol: str, replicas: int, redis: str) -> None:
-    docs = _docs(render_k8s(_fleet(protocol, replicas, redis)))
+@pytest.mark.parametrize(PARAMS, CASES)
+def test_config_map_is_a_valid_gateway_config(protocol: str, pd: bool, replicas: int,
+                                              redis: str) -> None:
+    docs = _docs(render_k8s(_fleet(protocol, replicas, redis, pd)))
     config_map = next(d for d in docs if d["kind"] == "ConfigMap")
     config = parse_config(yaml.safe_load(config_map["data"]["kvgate.yaml"]), "kvgate.yaml")
+    first = "prefill" if pd else "engine"
     names = [e.name for e in config.engines]
-    assert names == ["prefill-0", "prefill-1", "decode-0"]
+    assert names == (["prefill-0", "prefill-1", "decode-0"] if pd else ["engine-0", "engine-1"])
     assert str(config.engines[1].kv_events) == \
-        "tcp://kvgate-prefill-1.kvgate-prefill.kvgate.svc.cluster.local:5557"
+        f"tcp://kvgate-{first}-1.kvgate-{first}.kvgate.svc.cluster.local:5557"
+    assert (config.disaggregation is not None) == pd
     pool = next(d for d in docs if d["kind"] == "StatefulSet"
-                and d["metadata"]["name"] == "kvgate-prefill")
+                and d["metadata"]["name"] == f"kvgate-{first}")
     assert pool["spec"]["replicas"] == 2
-    limits = pool["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
-    assert limits == {"nvidia.com/gpu": 2}
+    container = pool["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": 2}
+    transfer = "--disaggregation-mode" if protocol == "sglang" else "--kv-transfer-config"
+    assert (transfer in " ".join(container["command"])) == (pd or protocol == "lmcache-mooncake")
 
 
 def test_hpa_on_a_kvgate_pods_metric() -> None:
@@ -162,3 +172,18 @@ def test_example_fleet_renders_as_scripts_too() -> None:
     assert {"mooncake-master.sh", "prefill-0.sh", "prefill-1.sh", "decode-0.sh", "decode-1.sh",
             "kvgate.yaml"} <= files.keys()
     parse_config(yaml.safe_load(files["kvgate.yaml"]), "kvgate.yaml")
+
+
+@pytest.mark.parametrize(("protocol", "transfer"), [("nixl", False), ("sglang", False),
+                                                    ("lmcache-mooncake", True)])
+def test_a_fleet_without_pd_renders_plain_engines(protocol: str, transfer: bool) -> None:
+    files = render(_fleet(protocol, 1, "none", pd=False))
+    assert {"engine-0.sh", "engine-1.sh"} <= files.keys()
+    assert not any(name.startswith(("prefill", "decode")) for name in files)
+    script = files["engine-0.sh"]
+    assert ("--kv-transfer-config" in script) == transfer
+    assert "--disaggregation-mode" not in script and "--kv-events-config" in script
+    config = parse_config(yaml.safe_load(files["kvgate.yaml"]), "kvgate.yaml")
+    assert config.disaggregation is None
+    assert [str(e.kv_events) for e in config.engines] == ["tcp://10.0.0.0:5557",
+                                                          "tcp://10.0.0.1:5557"]
