@@ -37,6 +37,7 @@ from middleware.errors import ConfigError
 Obj = dict[str, Any]
 _CONFIG_DIR = "/etc/kvgate"
 _HPA_METRIC = "kvgate_requests_per_second"
+_KEYS_FILE = "/etc/kvgate-keys/keys.yaml"
 
 
 def _labels(component: str) -> dict[str, str]:
@@ -87,9 +88,14 @@ def k8s_fleet(fleet: FleetSpec) -> FleetSpec:
 
 
 def _gateway_yaml(fleet: FleetSpec) -> str:
+    """The script target's gateway config over the pods' names, listening on all addresses,
+    with the ``api-keys`` plugin reading the mounted keys Secret (``kvgate serve --keys`` is a
+    billing flag: it needs ``--prices``)."""
     text = _gateway_config(k8s_fleet(fleet))
     data = yaml.safe_load(text)
     data["server"] = {"host": "0.0.0.0", "port": fleet.gateway.port}
+    if fleet.kubernetes.keys_secret is not None:
+        data["plugins"].insert(0, {"type": "api-keys", "params": {"file": _KEYS_FILE}})
     return yaml.safe_dump(data, sort_keys=False)
 
 
@@ -239,8 +245,7 @@ def _gateway_container(fleet: FleetSpec, checksum: str) -> Obj:
               {"name": "state", "mountPath": "/var/lib/kvgate"}]
     if k.redis != "none":
         args += ["--redis", "$(KVGATE_REDIS_URL)"]
-    if k.keys_secret is not None:
-        args += ["--keys", "/etc/kvgate-keys/keys.yaml"]
+    if k.keys_secret is not None:  # read by the api-keys plugin of kvgate.yaml
         mounts.append({"name": "keys", "mountPath": "/etc/kvgate-keys", "readOnly": True})
     return {"name": "kvgate", "image": k.gateway_image, "command": args,
             "workingDir": "/var/lib/kvgate", "env": _gateway_env(k),
