@@ -25,6 +25,8 @@ class Span:
     span_id: str
     parent_id: str
     attributes: dict[str, Any]
+    #: The W3C ``tracestate`` the span carried (empty: none).
+    trace_state: str = ""
 
 
 def _value(v: Any) -> Any:
@@ -49,7 +51,8 @@ class Collector:
                 for s in ss.spans:
                     self.spans.append(Span(
                         str(res.get("service.name")), s.name, s.trace_id.hex(), s.span_id.hex(),
-                        s.parent_span_id.hex(), {a.key: _value(a.value) for a in s.attributes}))
+                        s.parent_span_id.hex(), {a.key: _value(a.value) for a in s.attributes},
+                        s.trace_state))
         return Response(ExportTraceServiceResponse().SerializeToString(),
                         media_type="application/x-protobuf")
 

@@ -88,7 +88,8 @@ async def test_gateway_and_engine_spans_share_one_trace(stream: bool) -> None:
 async def test_client_traceparent_is_continued() -> None:
     async with traced(True) as (collector, _sim, client):
         resp = await client.post("/v1/chat/completions", json=CHAT,
-                                 headers={"traceparent": CLIENT_TRACEPARENT})
+                                 headers={"traceparent": CLIENT_TRACEPARENT,
+                                          "tracestate": "vendor=opaque"})
         assert resp.status_code == 200
     (root,) = collector.named("kvgate.request")
     (hop,) = collector.named("kvgate.upstream")
@@ -96,10 +97,11 @@ async def test_client_traceparent_is_continued() -> None:
     assert {s.trace_id for s in collector.spans} == {CLIENT_TRACE}
     assert root.parent_id == CLIENT_SPAN
     assert engine.parent_id == hop.span_id
+    assert {s.trace_state for s in collector.spans} == {"vendor=opaque"}  # carried along
 
 
 @pytest.mark.parametrize(("headers", "parent"), [
-    ({"traceparent": CLIENT_TRACEPARENT}, CLIENT_SPAN),  # passed through unchanged
+    ({"traceparent": CLIENT_TRACEPARENT, "tracestate": "v=1"}, CLIENT_SPAN),  # passed through
     ({}, ""),  # nothing added: the engine starts its own trace
 ])
 async def test_tracing_off_passes_the_client_traceparent_through(
@@ -111,6 +113,7 @@ async def test_tracing_off_passes_the_client_traceparent_through(
     assert engine.name == "llm_request"
     assert engine.parent_id == parent
     assert (engine.trace_id == CLIENT_TRACE) == bool(headers)
+    assert engine.trace_state == headers.get("tracestate", "")
 
 
 async def test_billed_request_traces_tenant_and_ledger_write(tmp_path: Path) -> None:
