@@ -18,6 +18,8 @@ from engines.local.launcher import LocalEngine, stop
 from engines.local.model import SERVED_NAME
 from engines.vllm import VllmAdapter
 from middleware.quickstart import pd_config_data
+from plugins.cache_salt import derive_salt, tenant_scope
+from plugins.gateway_secret import CACHE_SALT_PURPOSE, GatewaySecret
 from pricing.backends import open_backend
 from tests.e2e.conftest import kvgate_serve
 from tests.integration.billing_helpers import ALL, Keys, sse_events, write_keys
@@ -68,6 +70,19 @@ def _config(engines: list[LocalEngine], tmp: Path, keys: Keys) -> dict[str, Any]
     return data
 
 
+def _tenant_salt(config: dict[str, Any], tmp: Path, tenant: str) -> str:
+    """Give the config's cache-salt plugin a known secret; the salt it will inject for
+    ``tenant``."""
+    salting = [p for p in config["plugins"] if p["type"] == "cache-salt"]
+    assert salting, "the P/D preset salts requests when API keys are on"
+    secret = "pd-e2e-" + "s" * 40
+    (tmp / "secret").write_text(secret)
+    salting[0]["params"] = {**salting[0].get("params", {}), "secret_file": str(tmp / "secret"),
+                            "secret_env": "KVGATE_TEST_UNSET_SECRET"}
+    key = GatewaySecret(secret.encode(), "test").derive(CACHE_SALT_PURPOSE)
+    return derive_salt(key, tenant_scope(tenant))
+
+
 def _answer(resp: httpx.Response, stream: bool) -> tuple[str, dict[str, Any]]:
     assert resp.status_code == 200, resp.text
     if not stream:
@@ -87,13 +102,17 @@ def test_nixl_pair_through_kvgate(pd_pair: list[LocalEngine], tmp_path: Path,
                                   stream: bool) -> None:
     prefill, decode = pd_pair
     content = f"[{'stream' if stream else 'json'}] {PROMPT}"
+    keys = write_keys(tmp_path)
+    config = _config(pd_pair, tmp_path, keys)
     # the non-disaggregated run, on the prefill engine itself: it also warms its cache, so the
-    # two-hop run has a non-zero prefill hit to report
-    ref = httpx.post(prefill.url + "/v1/chat/completions", json=_body(content), timeout=120)
+    # two-hop run has a non-zero prefill hit to report. The default preset salts every request
+    # with its tenant's cache salt (the user key's tenant, globex): the warm-up carries it too
+    salt = _tenant_salt(config, tmp_path, "globex")
+    ref = httpx.post(prefill.url + "/v1/chat/completions", json={**_body(content),
+                     "cache_salt": salt}, timeout=120)
     assert ref.status_code == 200, ref.text
     expected = ref.json()["choices"][0]["message"]["content"]
-    keys = write_keys(tmp_path)
-    with kvgate_serve(_config(pd_pair, tmp_path, keys), tmp_path) as url:
+    with kvgate_serve(config, tmp_path) as url:
         p0, d0 = _metrics(prefill), _metrics(decode)
         resp = httpx.post(url + "/v1/chat/completions", json=_body(content, stream), timeout=120,
                           headers={**keys.auth("user"), "x-request-id": f"pd-{stream}"})
