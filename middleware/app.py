@@ -13,7 +13,8 @@ import logging
 import time
 import urllib.parse
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
+from typing import Any
 
 import aiohttp
 
@@ -54,6 +55,26 @@ _MODELS_PREFIX = "/v1/models/"
 #: Paths the app serves itself (no API adapter or plugin may take them).
 _CORE_PATHS = frozenset({"/v1/models", "/health", "/metrics"})
 _PROMETHEUS_CT = (b"content-type", b"text/plain; version=0.0.4; charset=utf-8")
+
+
+#: The longest one plugin's ``stop`` may take at shutdown [s]. A stop flushes a spool, a queue
+#: or a connection in well under a second; past this it is stuck (a task that ignores its
+#: cancellation, a peer that never answers), and a shutdown that never ends would hold the port
+#: and every other plugin's resources until the process is killed.
+STOP_TIMEOUT_S = 15.0
+
+
+async def _bounded(step: Coroutine[Any, Any, None], what: str) -> None:
+    """Run one shutdown step for at most :data:`STOP_TIMEOUT_S`; a stuck one is cancelled,
+    left behind and named in a WARNING, and the shutdown goes on."""
+    task = asyncio.ensure_future(step)
+    done, _ = await asyncio.wait({task}, timeout=STOP_TIMEOUT_S)
+    if task in done:
+        task.result()  # a failed stop still raises, as before
+        return
+    task.cancel()
+    log.warning("shutdown: %s did not stop within %.0f s; cancelled and left behind, the "
+                "shutdown goes on", what, STOP_TIMEOUT_S)
 
 
 class KvgateApp:
@@ -105,8 +126,8 @@ class KvgateApp:
 
     async def shutdown(self) -> None:
         for plugin in reversed(self.pipeline.lifecycles):
-            await plugin.stop()
-        await self.pool.stop()
+            await _bounded(plugin.stop(), f"plugin {getattr(plugin, 'name', plugin)!r}")
+        await _bounded(self.pool.stop(), "the engine pool")
         if self._session is not None:
             await self._session.close()
             self._session = None
