@@ -30,7 +30,6 @@ from fastapi.responses import FileResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from asyncq.api import QueueService
 from asyncq.batches import BatchCreate, BatchList, BatchManager, BatchObject
@@ -38,18 +37,13 @@ from asyncq.files import FileDeleted, FileList, FileObject, FileStore
 from asyncq.mgmt_db import Db
 from asyncq.queued import queued_router
 from asyncq.webhooks import Webhooks, WebhookSettings
-from middleware.errors import (
-    HTTPError,
-    PayloadTooLarge,
-)
-from middleware.fastapi_errors import error_response, install_openai_errors, openapi_errors
+from middleware.fastapi_errors import PRINCIPAL, Guard, install_openai_errors, openapi_errors
 from middleware.types import Principal
 
 log = logging.getLogger("kvgate.asyncq.mgmt")
 
 #: Multipart framing allowed on top of the file itself (boundaries, the purpose field).
 MULTIPART_SLACK = 1 << 20
-_PRINCIPAL = "kvgate.principal"
 
 
 class ManagementSettings(BaseModel):
@@ -166,43 +160,8 @@ class _PlaneCollector(Collector):
                                           or w.degraded_since is not None))
 
 
-class _Guard:
-    """Pure ASGI wrapper: authenticate and bound the body before FastAPI sees the request."""
-
-    def __init__(self, app: ASGIApp, service: QueueService, max_body: int) -> None:
-        self.app = app
-        self.service = service
-        self.max_body = max_body
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] == "/openapi.json":
-            await self.app(scope, receive, send)
-            return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
-                   for k, v in scope.get("headers", ())}
-        try:
-            principal = self.service.authenticate(headers)
-            length = headers.get("content-length", "")
-            if length.isdigit() and int(length) > self.max_body:
-                raise PayloadTooLarge(f"the request body is larger than {self.max_body} bytes")
-        except HTTPError as err:
-            await error_response(err)(scope, receive, send)
-            return
-        seen = 0
-
-        async def bounded() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_body:
-                raise PayloadTooLarge(f"the request body is larger than {self.max_body} bytes")
-            return message
-        scope = {**scope, _PRINCIPAL: principal}
-        await self.app(scope, bounded, send)
-
-
 def _tenant_of(request: Request) -> tuple[str, str | None]:
-    principal: Principal | None = request.scope.get(_PRINCIPAL)
+    principal: Principal | None = request.scope.get(PRINCIPAL)
     if principal is None:
         return "", None
     return principal.tenant, principal.key_id
@@ -291,8 +250,9 @@ def build_management_app(service: QueueService, settings: ManagementSettings) ->
     app.include_router(files_router(plane))
     app.include_router(batches_router(plane))
     app.include_router(queued_router(service), responses=_ERRORS)
-    app.add_middleware(_Guard, service=service,
-                       max_body=settings.max_file_bytes + MULTIPART_SLACK)
+    app.add_middleware(Guard, authenticate=service.authenticate,
+                       max_body=settings.max_file_bytes + MULTIPART_SLACK,
+                       open_path="/openapi.json")
     return app
 
 

@@ -1,16 +1,20 @@
-"""Errors of FastAPI sub-applications (management planes mounted through ``AsgiMount``) in
-OpenAI's shape: kvgate's own ``HTTPError``\\ s, Starlette's HTTP errors (404, 405, ...),
-request-validation errors (400 naming the parameter) and anything unexpected (500 with a
-request id, the traceback logged, never the exception text in the body).
+"""Errors and the request guard of FastAPI sub-applications (management planes mounted
+through ``AsgiMount``). Errors in OpenAI's shape: kvgate's own ``HTTPError``\\ s,
+Starlette's HTTP errors (404, 405, ...), request-validation errors (400 naming the
+parameter) and anything unexpected (500 with a request id, the traceback logged, never the
+exception text in the body).
+
+:class:`Guard` authenticates and bounds the body of every request before FastAPI sees it.
 
 One implementation for every such app (the async queue's Files/Batch plane, the keys admin
-API), so their error bodies cannot drift apart.
+API), so their error bodies and checks cannot drift apart.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from middleware.errors import (
     BadRequest,
@@ -28,8 +33,11 @@ from middleware.errors import (
     internal_error,
 )
 
-__all__ = ["ErrorDetail", "ErrorResponse", "error_response", "install_openai_errors",
-           "openapi_errors", "status_error"]
+__all__ = ["PRINCIPAL", "ErrorDetail", "ErrorResponse", "Guard", "error_response",
+           "install_openai_errors", "openapi_errors", "status_error"]
+
+#: The scope key under which :class:`Guard` leaves the authenticated principal.
+PRINCIPAL = "kvgate.principal"
 
 
 class ErrorDetail(BaseModel):
@@ -96,3 +104,42 @@ def install_openai_errors(app: FastAPI, what: str, log: logging.Logger) -> None:
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(Exception, unexpected)
+
+
+class Guard:
+    """Pure ASGI wrapper: ``authenticate(headers)`` (raises an ``HTTPError``: 401/403) and a body
+    of at most ``max_body`` bytes (413, by ``content-length`` and while it streams in), before
+    the app sees the request; the principal is left in the scope under :data:`PRINCIPAL`.
+    ``open_path`` (the app's OpenAPI schema) needs neither."""
+
+    def __init__(self, app: ASGIApp, authenticate: Callable[[dict[str, str]], object],
+                 max_body: int, open_path: str) -> None:
+        self.app = app
+        self.authenticate = authenticate
+        self.max_body = max_body
+        self.open_path = open_path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] == self.open_path:
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                   for k, v in scope.get("headers", ())}
+        try:
+            principal = self.authenticate(headers)
+            length = headers.get("content-length", "")
+            if length.isdigit() and int(length) > self.max_body:
+                raise PayloadTooLarge(f"the request body is larger than {self.max_body} bytes")
+        except HTTPError as err:
+            await error_response(err)(scope, receive, send)
+            return
+        seen = 0
+
+        async def bounded() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_body:
+                raise PayloadTooLarge(f"the request body is larger than {self.max_body} bytes")
+            return message
+        await self.app({**scope, PRINCIPAL: principal}, bounded, send)

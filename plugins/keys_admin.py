@@ -33,14 +33,11 @@ from typing import Annotated, Any, Literal, Protocol
 
 from fastapi import APIRouter, FastAPI, Query
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from middleware.errors import (
     BadRequest,
-    HTTPError,
-    PayloadTooLarge,
 )
-from middleware.fastapi_errors import error_response, install_openai_errors, openapi_errors
+from middleware.fastapi_errors import Guard, install_openai_errors, openapi_errors
 from plugins.keys_model import ApiKey, KeyEntry, KeysFile, Limits, utcnow
 from plugins.keys_store import (
     NewKey,
@@ -261,40 +258,6 @@ def tenants_router(b: AdminBackend) -> APIRouter:
     return r
 
 
-# -- errors and the guard ----------------------------------------------------------------------
-class _Guard:
-    """Pure ASGI wrapper: admin keys only, bounded bodies, before FastAPI sees the request."""
-
-    def __init__(self, app: ASGIApp, backend: AdminBackend) -> None:
-        self.app = app
-        self.backend = backend
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] == PREFIX + "/openapi.json":
-            await self.app(scope, receive, send)
-            return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
-                   for k, v in scope.get("headers", ())}
-        try:
-            self.backend.admin_principal(headers)
-            length = headers.get("content-length", "")
-            if length.isdigit() and int(length) > MAX_BODY:
-                raise PayloadTooLarge(f"the request body is larger than {MAX_BODY} bytes")
-        except HTTPError as err:
-            await error_response(err)(scope, receive, send)
-            return
-        seen = 0
-
-        async def bounded() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > MAX_BODY:
-                raise PayloadTooLarge(f"the request body is larger than {MAX_BODY} bytes")
-            return message
-        await self.app(scope, bounded, send)
-
-
 def build_admin_app(backend: AdminBackend) -> FastAPI:
     app = FastAPI(title="kvgate key administration", version="1", docs_url=None,
                   redoc_url=None, openapi_url=PREFIX + "/openapi.json",
@@ -303,5 +266,7 @@ def build_admin_app(backend: AdminBackend) -> FastAPI:
     install_openai_errors(app, "admin API", log)
     app.include_router(keys_router(backend))
     app.include_router(tenants_router(backend))
-    app.add_middleware(_Guard, backend=backend)
+    # admin keys only (admin_principal: 401 / 403), bounded bodies
+    app.add_middleware(Guard, authenticate=backend.admin_principal, max_body=MAX_BODY,
+                       open_path=PREFIX + "/openapi.json")
     return app
