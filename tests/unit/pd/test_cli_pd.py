@@ -14,7 +14,7 @@ from middleware.types import Role
 def _serve(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> GatewayConfig:
     seen: list[GatewayConfig] = []
 
-    def fake_serve(config: GatewayConfig) -> int:
+    def fake_serve(config: GatewayConfig, workers: int = 1) -> int:
         seen.append(config)
         return 0
 
