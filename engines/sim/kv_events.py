@@ -7,8 +7,8 @@ with ``tag=True`` and ``omit_defaults=True``, field order as declared in vLLM:
 
 * ``BlockStored``: block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
   lora_name, then defaulted extra_keys, group_idx, kv_cache_spec_kind,
-  kv_cache_spec_sliding_window;
-* ``BlockRemoved``: block_hashes, medium, then defaulted group_idx;
+  kv_cache_spec_sliding_window, locality (vLLM 0.32; ``REMOTE`` for a shared store's blocks);
+* ``BlockRemoved``: block_hashes, medium, then defaulted group_idx, locality;
 * ``AllBlocksCleared``: no fields.
 
 Two encodings exist: ``tagged`` maps ``{"type": "BlockStored", field: value, ...}`` (newer vLLM;
@@ -68,6 +68,9 @@ class BlockStored:
     group_idx: int | None = 0
     kv_cache_spec_kind: str | None = FULL_ATTENTION
     kv_cache_spec_sliding_window: int | None = None
+    #: vLLM 0.32: ``LOCAL`` or ``REMOTE`` relative to the publisher (a shared store's blocks
+    #: are ``REMOTE``); ``None`` (left off the wire): unspecified.
+    locality: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +80,7 @@ class BlockRemoved:
     block_hashes: list[int]
     medium: str | None = MEDIUM_GPU
     group_idx: int | None = 0
+    locality: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +104,10 @@ _FIELDS: dict[type, tuple[tuple[str, object], ...]] = {
         ("group_idx", None),
         ("kv_cache_spec_kind", None),
         ("kv_cache_spec_sliding_window", None),
+        ("locality", None),
     ),
-    BlockRemoved: (("block_hashes", _DEFAULT), ("medium", _DEFAULT), ("group_idx", None)),
+    BlockRemoved: (("block_hashes", _DEFAULT), ("medium", _DEFAULT), ("group_idx", None),
+                   ("locality", None)),
     AllBlocksCleared: (),
 }
 

@@ -19,6 +19,10 @@ vLLM V1's scheduler:
 * Out of blocks for a running sequence, the most recently admitted one is preempted (vLLM's
   recompute mode): it frees its blocks and goes back to the front of the queue; when
   re-admitted its tokens so far (prompt and output) are prefilled again, mostly from the cache.
+* With a shared tier (:mod:`engines.sim.shared_tier`), admission continues the GPU match in the
+  tier and loads those blocks instead of computing them (counted as cached, like vLLM counts a
+  connector's loaded tokens); their load time is :attr:`Scheduler.tier_seconds` of the step.
+  Every newly full block is also saved to the tier (write-through).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any
 from engines.sim.config import SimConfig
 from engines.sim.kv_events import BlockRemoved, BlockStored, KvEvent
 from engines.sim.prefix_cache import CacheFull, PrefixCache, chain_hash, root_hash
+from engines.sim.shared_tier import SharedTier
 from engines.sim.timing import Chunk
 from engines.sim.tokenizer import output_piece, piece_id
 
@@ -95,6 +100,7 @@ class SchedulerStats:
     prompt_tokens_local_compute: int = 0
     prompt_tokens_cache_hit: int = 0
     prompt_tokens_external: int = 0
+    prompt_tokens_tier: int = 0  # loaded from the shared tier (part of the cached tokens)
     generation_tokens: int = 0
     preemptions: int = 0
     steps: int = 0
@@ -171,8 +177,12 @@ class Scheduler:
     :meth:`can_accept`); ``events`` grows within a step and is drained by the engine after it.
     """
 
-    def __init__(self, config: SimConfig) -> None:
+    def __init__(self, config: SimConfig, tier: SharedTier | None = None) -> None:
         self.config = config
+        #: The fleet's shared KV tier, if any (shared with other engines' schedulers).
+        self.tier = tier
+        #: Seconds the last :meth:`schedule` spends loading blocks from the tier.
+        self.tier_seconds = 0.0
         self.block_size = config.block_size
         self.cache = PrefixCache(config.capacity_blocks, config.block_size)
         self.waiting: deque[SeqState] = deque()
@@ -222,6 +232,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         plan: list[Planned] = []
         self._preempted = False
+        self.tier_seconds = 0.0
         for seq in list(self.running):
             if budget <= 0:
                 break
@@ -297,11 +308,13 @@ class Scheduler:
         """Admit the head of the queue with its cached prefix, or None if blocks lack."""
         n = len(seq.tokens)
         seq.extend_hashes(self.block_size, n // self.block_size)
-        hit = self.cache.match_blocks(seq.hashes[: (n - 1) // self.block_size])
+        limit = (n - 1) // self.block_size
+        hit = self.cache.match_blocks(seq.hashes[:limit])
         cached = hit * self.block_size
-        start = cached
+        loaded = 0 if self.tier is None else self.tier.match_blocks(seq.hashes[hit:limit])
+        start = cached + loaded * self.block_size
         if seq.cached_tokens is None:  # transferred KV counts at the first admission only
-            start = max(cached, min(seq.spec.external_tokens, n - 1))
+            start = max(start, min(seq.spec.external_tokens, n - 1))
         new = min(n - start, budget)
         need = self._blocks_for(start + new) - hit
         self.cache.acquire(seq.hashes[:hit])  # pinned before allocating evicts anything
@@ -314,20 +327,26 @@ class Scheduler:
         self.waiting.popleft()
         self.running.append(seq)
         seq.status = Status.RUNNING
-        self._count_admission(seq, n, cached, start - cached)
+        if self.tier is not None and loaded:
+            self.tier_seconds += self.tier.load(seq.hashes[hit : hit + loaded])
+        self._count_admission(seq, n, cached, start - cached - loaded * self.block_size,
+                              loaded * self.block_size)
         return Planned(seq, new, start)
 
-    def _count_admission(self, seq: SeqState, tokens: int, cached: int, external: int) -> None:
+    def _count_admission(
+        self, seq: SeqState, tokens: int, cached: int, external: int, tier: int = 0
+    ) -> None:
         s = self.stats
         s.prefix_cache_queries += tokens
         s.prefix_cache_hits += cached
         if seq.cached_tokens is None:  # the first admission is what usage reports
-            seq.cached_tokens = cached + external  # vLLM counts received KV as cached
+            seq.cached_tokens = cached + external + tier  # vLLM counts loaded KV as cached
             seq.external = external
             s.prompt_tokens += seq.num_prompt
             s.prompt_tokens_cache_hit += cached
             s.prompt_tokens_external += external
-            s.prompt_tokens_local_compute += seq.num_prompt - cached - external
+            s.prompt_tokens_tier += tier
+            s.prompt_tokens_local_compute += seq.num_prompt - cached - external - tier
 
     def _commit_full_blocks(self, seq: SeqState) -> None:
         """Cache blocks that became full; runs of new ones become ``BlockStored`` events."""
@@ -346,6 +365,11 @@ class Scheduler:
                 run_start = None
         if run_start is not None:
             self._stored_event(seq, run_start, full)
+        if self.tier is not None:  # write-through: the tier saves every computed block
+            bs = self.block_size
+            self.tier.put(seq.hashes[seq.held : full],
+                          seq.hashes[seq.held - 1] if seq.held else None,
+                          seq.tokens[seq.held * bs : full * bs])
         seq.held = full
 
     def _stored_event(self, seq: SeqState, start: int, end: int) -> None:

@@ -1,0 +1,295 @@
+"""A shared KV tier in a fleet of simulated engines, replayed in virtual time (issue 16).
+
+Each engine is the simulator's own continuous-batching :class:`~engines.sim.scheduler.Scheduler`
+(prefix cache, chunked prefill, preemption) with its H100 :class:`~engines.sim.timing.TimingModel`;
+the fleet optionally shares one :class:`~engines.sim.shared_tier.SharedTier`. A discrete-event
+loop runs the trace on its own schedule (H100-equivalent seconds, no sleeping, so a run takes
+seconds to minutes on 2 cores instead of a timed replay's wall time), routes every arrival with
+the real ``kv-placement-scorer`` over the engines' exact GPU prefixes (precise mode) and their
+in-flight uncached tokens (charged at dispatch, released at the first token), optionally
+tier-aware (:func:`plugins.shared_tier.fold_shared`, ``other_tier_weight`` = the derived credit),
+and reports the hit ratio (GPU and tier), TTFT percentiles and preemptions.
+
+Setups of one run (``--gpu-blocks`` C per engine, ``--engines`` N):
+
+* ``no-tier``: N x C GPU blocks (the fleet of record);
+* ``tier``: the same GPUs plus a shared tier of ``--tier-blocks`` (default N x C: host DRAM as
+  large as the fleet's HBM), routing unaware of it;
+* ``tier-aware``: the same, routing credits the tier;
+* ``tier-aware-codec``: the tier holding 1 / (1 - saving) more blocks (the KV codec's saving,
+  read from ``--codec-saving`` JSON; the issue's entropy bound 0.33 when the file is missing);
+* ``equal-total``: N x (C - x) GPU blocks plus a tier of N x x (x = C / 4), tier-aware: the same
+  total blocks as ``no-tier``.
+
+    python -m bench.tier_sim --traces conversation:2000,synthetic:2000 --gpu-blocks 1024,4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import heapq
+import json
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.replay import TRACE_DIR, trace_path
+from bench.replay_metrics import percentile
+from bench.replay_trace import TRACE_BLOCK, TraceRequest, infer_sessions, load_trace, prompt_tokens
+from engines.sim.config import SimConfig
+from engines.sim.prefix_cache import block_hashes
+from engines.sim.scheduler import Planned, Scheduler, SeqSpec
+from engines.sim.shared_tier import SharedTier, TierParams
+from engines.sim.timing import TimingModel
+from middleware.types import (
+    KV_CAPACITY_TOKENS,
+    Api,
+    CycleState,
+    Endpoint,
+    EngineMetrics,
+    InferenceRequest,
+    RoutingDecision,
+)
+from plugins.placement import KvPlacementScorer
+from plugins.shared_tier import TierLink, fold_shared
+from plugins.state import PREFIX_MATCH, SESSION_KEY, TOKEN_IDS, PrefixMatch
+
+#: The issue's entropy bound on the codec's saving, used (and labelled) when no measurement.
+SAVING_BOUND = 0.33
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """One fleet: GPU blocks per engine, shared-tier blocks (0: none), codec factor, routing."""
+
+    name: str
+    gpu_blocks: int
+    tier_blocks: int = 0
+    capacity_factor: float = 1.0
+    aware: bool = False
+
+
+class Lookup:
+    def lookup(self, name: str) -> object:
+        raise KeyError(name)
+
+
+class Fleet:
+    """N schedulers, an optional shared tier, the placement scorer and the event loop."""
+
+    def __init__(self, setup: Setup, engines: int, seed: int = 0) -> None:
+        self.setup = setup
+        self.tier = None if not setup.tier_blocks else SharedTier(TierParams(
+            capacity_blocks=setup.tier_blocks, block_size=TRACE_BLOCK,
+            capacity_factor=setup.capacity_factor))
+        cfg = [SimConfig(engine_id=f"e{k}", block_size=TRACE_BLOCK,
+                         capacity_blocks=setup.gpu_blocks,
+                         max_model_len=TRACE_BLOCK * setup.gpu_blocks, seed=k)
+               for k in range(engines)]
+        self.scheds = [Scheduler(c, self.tier) for c in cfg]
+        self.timing = TimingModel(cfg[0].timing)
+        metrics = EngineMetrics(extra={KV_CAPACITY_TOKENS: float(cfg[0].capacity_tokens)})
+        self.ids = [f"e{k}" for k in range(engines)]
+        self.in_flight = [0] * engines
+        self.busy = [False] * engines
+        self.metrics = metrics
+        params: dict[str, Any] = {}
+        if setup.aware:
+            params["other_tier_weight"] = TierLink().credit
+        self.scorer = KvPlacementScorer("kv-placement-scorer",
+                                        KvPlacementScorer.Params.model_validate(params), Lookup())
+        self.rng = random.Random(seed)
+        self.events: list[tuple[float, int, int, Any]] = []
+        self._n = 0
+
+    def _push(self, t: float, kind: int, payload: Any) -> None:
+        self._n += 1
+        heapq.heappush(self.events, (t, self._n, kind, payload))
+
+    def _endpoints(self) -> list[Endpoint]:
+        return [Endpoint(id=e, url=f"http://{e}", kind="vllm", metrics=self.metrics,
+                         in_flight_tokens=self.in_flight[k]) for k, e in enumerate(self.ids)]
+
+    def route(self, i: int, tokens: list[int], session: int) -> tuple[int, int]:
+        """The engine for request ``i`` and the uncached tokens charged to it."""
+        limit = (len(tokens) - 1) // TRACE_BLOCK
+        hashes = block_hashes(tokens, TRACE_BLOCK)[:limit]
+        device = {e: s.cache.match_blocks(hashes) * TRACE_BLOCK
+                  for e, s in zip(self.ids, self.scheds, strict=True)}
+        match = PrefixMatch(len(tokens), device, {}, True, frozenset(self.ids))
+        if self.setup.aware and self.tier is not None:
+            match = fold_shared(match, self.tier.match_blocks(hashes) * TRACE_BLOCK)
+        state = CycleState()
+        state.put(TOKEN_IDS, tokens)
+        state.put(PREFIX_MATCH, match)
+        state.put(SESSION_KEY, str(session))
+        req = InferenceRequest(
+            request_id=str(i), api=Api.COMPLETIONS, model="m", body={"max_tokens": 0},
+            headers={}, stream=False, client_wants_usage=False,
+            prompt_token_estimate=len(tokens), received_at=0.0)
+        eps = self._endpoints()
+        scores = self.scorer.score(req, state, eps)
+        top = max(scores.values())
+        k = self.rng.choice([k for k, ep in enumerate(eps) if scores[ep.id] == top])
+        asyncio.run(self.scorer.before_dispatch(req, state, RoutingDecision(target=eps[k])))
+        return k, max(0, len(tokens) - device[self.ids[k]])
+
+    def _start(self, k: int, t: float) -> None:
+        """Engine ``k`` runs its next step from ``t`` (idle when nothing can run)."""
+        sched = self.scheds[k]
+        for _ in range(2):  # a step that only preempted: re-admission runs in the next one
+            plan = sched.schedule()
+            if plan:
+                seconds = self.timing.step_seconds(Scheduler.chunks(plan)) + sched.tier_seconds
+                self.busy[k] = True
+                self._push(t + seconds, 1, (k, plan))
+                return
+        self.busy[k] = False
+
+    def run(self, reqs: Sequence[TraceRequest], max_output: int) -> dict[str, Any]:
+        """Replay ``reqs`` on their schedule; the run's figures."""
+        sessions = infer_sessions(reqs)
+        t0 = reqs[0].timestamp_ms / 1000 if reqs else 0.0
+        for i, r in enumerate(reqs):
+            self._push(r.timestamp_ms / 1000 - t0, 0, i)
+        arrival: dict[str, tuple[float, int, int]] = {}
+        ttft: list[float] = []
+        cached: list[int] = []
+        while self.events:
+            t, _, kind, payload = heapq.heappop(self.events)
+            if kind == 0:
+                r = reqs[payload]
+                tokens = prompt_tokens(r)
+                k, charge = self.route(payload, tokens, sessions[payload])
+                self.in_flight[k] += charge
+                arrival[str(payload)] = (t, k, charge)
+                self.scheds[k].add(SeqSpec(str(payload), tokens, max(1, min(
+                    r.output_length, max_output)), ignore_eos=True))
+                if not self.busy[k]:
+                    self._start(k, t)
+                continue
+            k, plan = payload
+            self._complete(k, plan, t, arrival, ttft, cached)
+            self._start(k, t)
+        return self._figures(reqs, ttft, cached)
+
+    def _complete(self, k: int, plan: list[Planned], t: float,
+                  arrival: dict[str, tuple[float, int, int]], ttft: list[float],
+                  cached: list[int]) -> None:
+        for seq, _tok in self.scheds[k].complete(plan):
+            if seq.num_output == 1:
+                sent, engine, charge = arrival.pop(seq.request_id)
+                ttft.append(t - sent)
+                cached.append(seq.cached_tokens or 0)
+                self.in_flight[engine] -= charge
+
+    def _figures(self, reqs: Sequence[TraceRequest], ttft: list[float],
+                 cached: list[int]) -> dict[str, Any]:
+        prompt = sum(r.input_length for r in reqs)
+        gpu = sum(s.stats.prompt_tokens_cache_hit for s in self.scheds)
+        tier = sum(s.stats.prompt_tokens_tier for s in self.scheds)
+        out: dict[str, Any] = {
+            **asdict(self.setup), "requests": len(reqs), "first_tokens": len(ttft),
+            "hit_ratio": sum(cached) / prompt, "gpu_hit_ratio": gpu / prompt,
+            "tier_hit_ratio": tier / prompt,
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
+            "ttft_p99_s": percentile(ttft, 99),
+            "ttft_mean_s": sum(ttft) / len(ttft) if ttft else None,
+            "preemptions": sum(s.stats.preemptions for s in self.scheds),
+        }
+        if self.tier is not None:
+            out["tier"] = {**asdict(self.tier.stats), "capacity": self.tier.capacity}
+        return out
+
+
+def codec_factor(path: Path) -> tuple[float, str]:
+    """1 / (1 - saving) from the codec's result file, else from :data:`SAVING_BOUND`; with a
+    label saying which."""
+    try:
+        saving = float(json.loads(path.read_text())["saving"])
+        source = f"measured: {path} saving={saving:.4f}"
+    except (OSError, ValueError, KeyError, TypeError):
+        saving = SAVING_BOUND
+        source = f"bound, not measured: saving={saving} ({path} missing or unreadable)"
+    if not 0.0 <= saving < 1.0:
+        raise SystemExit(f"{path}: saving {saving} is not in [0, 1)")
+    return 1.0 / (1.0 - saving), source
+
+
+def setups(engines: int, gpu: int, tier: int | None, factor: float,
+           names: Sequence[str]) -> list[Setup]:
+    """The setups of one capacity (module docstring), in ``names``' order."""
+    tier_blocks = engines * gpu if tier is None else tier
+    moved = gpu // 4
+    every = {
+        "no-tier": Setup("no-tier", gpu),
+        "tier": Setup("tier", gpu, tier_blocks),
+        "tier-aware": Setup("tier-aware", gpu, tier_blocks, aware=True),
+        "tier-aware-codec": Setup("tier-aware-codec", gpu, tier_blocks, factor, aware=True),
+        "equal-total": Setup("equal-total", gpu - moved, engines * moved, aware=True),
+    }
+    return [every[n] for n in names]
+
+
+SETUPS = ("no-tier", "tier", "tier-aware", "tier-aware-codec", "equal-total")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.tier_sim", description=__doc__)
+    p.add_argument("--traces", default="conversation:2000,synthetic:2000",
+                   help="NAME[:N] (first N requests), comma-separated")
+    p.add_argument("--trace-dir", type=Path, default=TRACE_DIR)
+    p.add_argument("--engines", type=int, default=8)
+    p.add_argument("--gpu-blocks", default="1024,4096", help="blocks of 512 tokens per engine")
+    p.add_argument("--tier-blocks", type=int, default=None,
+                   help="shared tier blocks (default: engines x gpu blocks)")
+    p.add_argument("--setups", default=",".join(SETUPS))
+    p.add_argument("--max-output", type=int, default=32, help="output cap, as bench.replay")
+    p.add_argument("--codec-saving", type=Path, default=Path("bench/results/codec-saving.json"))
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = p.parse_args(argv)
+    unknown = set(args.setups.split(",")) - set(SETUPS)
+    if unknown:
+        p.error(f"unknown setup(s): {', '.join(sorted(unknown))}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    factor, source = codec_factor(args.codec_saving)
+    print(f"codec capacity factor {factor:.3f} ({source})", flush=True)
+    doc: dict[str, Any] = {
+        "benchmark": "tier_sim", "engines": args.engines, "max_output_tokens": args.max_output,
+        "codec_factor": factor, "codec_source": source, "tier_credit": TierLink().credit,
+        "tier_link": TierLink().model_dump(), "tier_params": TierParams(
+            capacity_blocks=1, block_size=TRACE_BLOCK).model_dump(
+                exclude={"capacity_blocks", "capacity_factor"}),
+        "results": []}
+    for spec in args.traces.split(","):
+        name, _, limit = spec.partition(":")
+        reqs = load_trace(trace_path(name, args.trace_dir), int(limit) if limit else None)
+        for gpu in (int(c) for c in args.gpu_blocks.split(",")):
+            for setup in setups(args.engines, gpu, args.tier_blocks, factor,
+                                args.setups.split(",")):
+                started = time.monotonic()
+                row = Fleet(setup, args.engines).run(reqs, args.max_output)
+                row.update(trace=name, wall_s=round(time.monotonic() - started, 1))
+                doc["results"].append(row)
+                print(f"{name}:{len(reqs)} {args.engines}x{gpu} {setup.name:17s} "
+                      f"hit {row['hit_ratio']:.3f} (gpu {row['gpu_hit_ratio']:.3f} tier "
+                      f"{row['tier_hit_ratio']:.3f})  TTFT p50 {row['ttft_p50_s']:.3f} "
+                      f"p90 {row['ttft_p90_s']:.3f} p99 {row['ttft_p99_s']:.3f} s  "
+                      f"[{row['wall_s']} s]", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"tier-sim-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {path}", flush=True)
+    return doc
+
+
+if __name__ == "__main__":
+    main()
