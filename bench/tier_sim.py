@@ -19,7 +19,9 @@ Setups of one run (``--gpu-blocks`` C per engine, ``--engines`` N):
 * ``tier-aware-codec``: the tier holding 1 / (1 - saving) more blocks (the KV codec's saving,
   read from ``--codec-saving`` JSON; the issue's entropy bound 0.33 when the file is missing);
 * ``equal-total``: N x (C - x) GPU blocks plus a tier of N x x (x = C / 4), tier-aware: the same
-  total blocks as ``no-tier``.
+  total blocks as ``no-tier``;
+* ``tier-aware-evicted``: as ``tier-aware``, but engines write a block to the tier when their
+  GPU evicts it (an exclusive tier) instead of every computed block (what the connectors do).
 
     python -m bench.tier_sim --traces conversation:2000,synthetic:2000 --gpu-blocks 1024,4096
 """
@@ -35,10 +37,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from bench.replay import TRACE_DIR, trace_path
-from bench.replay_metrics import percentile
+from bench.replay_metrics import lru_hit_ratio, percentile
 from bench.replay_trace import TRACE_BLOCK, TraceRequest, infer_sessions, load_trace, prompt_tokens
 from engines.sim.config import SimConfig
 from engines.sim.prefix_cache import block_hashes
@@ -71,6 +73,7 @@ class Setup:
     tier_blocks: int = 0
     capacity_factor: float = 1.0
     aware: bool = False
+    write: Literal["through", "evicted"] = "through"
 
 
 class Lookup:
@@ -85,7 +88,7 @@ class Fleet:
         self.setup = setup
         self.tier = None if not setup.tier_blocks else SharedTier(TierParams(
             capacity_blocks=setup.tier_blocks, block_size=TRACE_BLOCK,
-            capacity_factor=setup.capacity_factor))
+            capacity_factor=setup.capacity_factor, write=setup.write))
         cfg = [SimConfig(engine_id=f"e{k}", block_size=TRACE_BLOCK,
                          capacity_blocks=setup.gpu_blocks,
                          max_model_len=TRACE_BLOCK * setup.gpu_blocks, seed=k)
@@ -231,11 +234,27 @@ def setups(engines: int, gpu: int, tier: int | None, factor: float,
         "tier-aware": Setup("tier-aware", gpu, tier_blocks, aware=True),
         "tier-aware-codec": Setup("tier-aware-codec", gpu, tier_blocks, factor, aware=True),
         "equal-total": Setup("equal-total", gpu - moved, engines * moved, aware=True),
+        "tier-aware-evicted": Setup("tier-aware-evicted", gpu, tier_blocks, aware=True,
+                                    write="evicted"),
     }
     return [every[n] for n in names]
 
 
-SETUPS = ("no-tier", "tier", "tier-aware", "tier-aware-codec", "equal-total")
+SETUPS = ("no-tier", "tier", "tier-aware", "tier-aware-codec", "equal-total",
+          "tier-aware-evicted")
+
+
+def references(name: str, reqs: Sequence[TraceRequest], fleet: int) -> dict[str, Any]:
+    """Pooled-LRU hit ratios (engine view) of one cache of 1x and 2x the fleet's GPU blocks:
+    what the fleet alone, and the fleet plus a tier as large, could reach if nothing were
+    duplicated; the infinite cache's is the ideal."""
+    row = {"trace": name, "requests": len(reqs), "fleet_blocks": fleet,
+           "pooled_lru_1x": lru_hit_ratio(reqs, fleet, engine_view=True),
+           "pooled_lru_2x": lru_hit_ratio(reqs, 2 * fleet, engine_view=True),
+           "ideal": lru_hit_ratio(reqs, None, engine_view=True)}
+    print(f"{name}:{len(reqs)} pooled LRU {fleet} blocks {row['pooled_lru_1x']:.3f}, "
+          f"{2 * fleet} blocks {row['pooled_lru_2x']:.3f}, ideal {row['ideal']:.3f}", flush=True)
+    return row
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -268,11 +287,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "tier_link": TierLink().model_dump(), "tier_params": TierParams(
             capacity_blocks=1, block_size=TRACE_BLOCK).model_dump(
                 exclude={"capacity_blocks", "capacity_factor"}),
-        "results": []}
+        "references": [], "results": []}
     for spec in args.traces.split(","):
         name, _, limit = spec.partition(":")
         reqs = load_trace(trace_path(name, args.trace_dir), int(limit) if limit else None)
         for gpu in (int(c) for c in args.gpu_blocks.split(",")):
+            doc["references"].append(references(name, reqs, args.engines * gpu))
             for setup in setups(args.engines, gpu, args.tier_blocks, factor,
                                 args.setups.split(",")):
                 started = time.monotonic()

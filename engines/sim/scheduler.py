@@ -22,7 +22,8 @@ vLLM V1's scheduler:
 * With a shared tier (:mod:`engines.sim.shared_tier`), admission continues the GPU match in the
   tier and loads those blocks instead of computing them (counted as cached, like vLLM counts a
   connector's loaded tokens); their load time is :attr:`Scheduler.tier_seconds` of the step.
-  Every newly full block is also saved to the tier (write-through).
+  Every newly full block is also saved to the tier (write-through), or, with ``write="evicted"``,
+  every block the GPU cache evicts.
 """
 
 from __future__ import annotations
@@ -288,6 +289,8 @@ class Scheduler:
         """Reserve blocks; evictions become ``BlockRemoved`` events (one hash each, as vLLM)."""
         for h in self.cache.allocate(n):
             self.events.append(BlockRemoved([h]))
+            if self.tier is not None and self.tier.params.write == "evicted":
+                self.tier.put([h], None, [])
 
     def _reserve(self, seq: SeqState, new: int) -> bool:
         """Blocks for ``new`` more tokens of a running sequence, preempting from the back."""
@@ -365,7 +368,7 @@ class Scheduler:
                 run_start = None
         if run_start is not None:
             self._stored_event(seq, run_start, full)
-        if self.tier is not None:  # write-through: the tier saves every computed block
+        if self.tier is not None and self.tier.params.write == "through":
             bs = self.block_size
             self.tier.put(seq.hashes[seq.held : full],
                           seq.hashes[seq.held - 1] if seq.held else None,

@@ -15,6 +15,10 @@ branches (a dropped root would make every descendant unreachable). Past ``capaci
 recently used block is evicted. Bounded by ``capacity`` blocks; every operation costs O(blocks
 touched).
 
+Writes. ``write="through"`` (the default, what the real connectors do) saves every computed
+block; ``write="evicted"`` saves a block when a GPU evicts it instead (an exclusive tier), to
+measure what the duplication costs.
+
 Cost. Loading ``n`` blocks takes ``load_setup_s + n * block_size * kv_bytes_per_token /
 link_bytes_per_s`` seconds (:meth:`SharedTier.load_seconds`); the engine adds it to the step that
 admits the request (pessimistic: a real connector overlaps the load with other sequences'
@@ -33,6 +37,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -64,6 +69,11 @@ class TierParams(BaseModel):
     #: Fixed cost of one load (lookup in the store's master, descriptors), seconds: 2 ms, as a
     #: P/D transfer's setup.
     load_setup_s: float = Field(default=2e-3, ge=0)
+    #: When engines write: ``through``, every computed block as it becomes full (vLLM's Mooncake
+    #: store connector, LMCache: the tier then also holds what the GPUs hold); ``evicted``, a
+    #: block when a GPU evicts it (a victim cache: what the GPUs hold is not duplicated; its
+    #: events carry no token ids or parent, as the evicting cache knows only the hash).
+    write: Literal["through", "evicted"] = "through"
 
     @property
     def capacity(self) -> int:

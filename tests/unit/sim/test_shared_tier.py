@@ -95,3 +95,15 @@ def test_an_engine_loads_what_another_computed(with_tier: bool) -> None:
     assert (b.tier_seconds > 0) is with_tier
     b.complete(plan)
     assert b.cache.match_blocks(seq.hashes) == 6  # the loaded blocks are now on b's GPU
+
+
+def test_an_evicted_tier_gets_only_what_a_gpu_evicts() -> None:
+    tier = SharedTier(TierParams(capacity_blocks=64, block_size=16, write="evicted"))
+    s = Scheduler(SimConfig(block_size=16, capacity_blocks=8, time_scale=0), tier)
+    s.add(SeqSpec("x", _prompt(100), 2, ignore_eos=True))  # 7 blocks: nothing evicted yet
+    _run(s)
+    assert len(tier) == 0
+    rng = random.Random(1)
+    s.add(SeqSpec("y", [rng.randrange(16, 32_000) for _ in range(100)], 2, ignore_eos=True))
+    _run(s)
+    assert len(tier) > 0 and all(h not in s.cache for h in tier._blocks)
