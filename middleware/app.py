@@ -29,6 +29,7 @@ from middleware.asgi import (
     send_error,
     send_json,
 )
+from middleware.breaker import BreakerCollector
 from middleware.config import GatewayConfig
 from middleware.errors import (
     ConfigError,
@@ -87,6 +88,8 @@ class KvgateApp:
             config.engines, self.pipeline.adapters, config.pool, self.pipeline.listeners
         )
         self.metrics = GatewayMetrics(self.pool.snapshot)
+        self.metrics.registry.register(
+            BreakerCollector(self.pool.breaker_states, self.pool.transitions))
         for plugin in self.pipeline.plugins.values():
             if isinstance(plugin, MetricsSource):
                 self.metrics.registry.register(plugin.collector())
@@ -217,12 +220,16 @@ class KvgateApp:
 
     async def _health(self, send: Send, headers: dict[str, str]) -> None:
         """Engines and plugin sections; without an admin key, no engine URL, socket address or
-        host name (middleware/redact.py): the endpoint is unauthenticated."""
+        host name (middleware/redact.py): the endpoint is unauthenticated. 200 (ready) once a
+        probe has confirmed an engine that is in rotation; 503 before (``starting``) and while
+        none is."""
         engines = self.pool.status()
         healthy = sum(1 for e in engines if e["healthy"])
-        status = 200 if healthy else 503
+        ready = self.pool.ready()
+        starting = not any(e["confirmed"] for e in engines)
+        status = 200 if ready else 503
         body: dict[str, object] = {
-            "status": "ok" if healthy else "unavailable",
+            "status": "ok" if ready else "starting" if starting else "unavailable",
             "engines_healthy": healthy, "engines_total": len(engines), "engines": engines,
         }
         sections = self._plugin_health()

@@ -64,6 +64,10 @@ class PoolConfig(BaseModel):
     unhealthy_after: int = Field(2, ge=1)
     #: How long startup waits for the first probe round before serving.
     startup_probe_timeout_s: float = Field(5.0, ge=0)
+    #: Request failures in a row (timeouts, 5xx, broken streams) that open an engine's circuit
+    #: breaker (middleware/breaker.py). 3: one or two failures are routine (a retried 503, a
+    #: restart), three in a row is an engine that fails what it is sent.
+    breaker_failures: int = Field(3, ge=1)
 
 
 class EngineConfig(BaseModel):

@@ -316,6 +316,22 @@ class Dispatcher:
 
     async def _hop(self, ctx: RequestContext, attempt: Attempt, body: dict[str, Any] | None,
                    rewriter: UsageRewriter | None) -> None:
+        """One engine hop (:meth:`_send`) whose verdict feeds the engine's circuit breaker
+        (middleware/breaker.py): served, or failed by the engine's fault; a client that left
+        or an engine 4xx / 429 gives none."""
+        target = attempt.target.id
+        try:
+            await self._send(ctx, attempt, body, rewriter)
+        except UpstreamError as err:
+            if err.unreachable:
+                self.pool.report_failure(target, err.message)
+            elif err.engine_fault:
+                self.pool.report_outcome(target, err.message)
+            raise
+        self.pool.report_outcome(target, attempt.broken)
+
+    async def _send(self, ctx: RequestContext, attempt: Attempt, body: dict[str, Any] | None,
+                    rewriter: UsageRewriter | None) -> None:
         """Send ``body`` (default: the adapter-shaped client body) to the attempt's target and
         relay the answer; ``rewriter`` edits the usage the client and the usage hooks see."""
         assert self.session is not None
@@ -324,13 +340,8 @@ class Dispatcher:
                    **self.pool.headers(target.id)}
         self.tracing.inject(headers, ctx.headers)
         url = target.url + adapter.upstream_path(ctx.path)
-        try:
-            resp = await open_request(self.session, url, self._body(ctx, body), headers,
-                                      self.timeout)
-        except UpstreamError as err:
-            if err.unreachable:
-                self.pool.report_failure(target.id, err.message)
-            raise
+        resp = await open_request(self.session, url, self._body(ctx, body), headers,
+                                  self.timeout)
         attempt.tap = adapter.new_tap(req.client_wants_usage)
         if not req.stream:
             await self._answer(ctx, attempt, resp, rewriter)

@@ -130,13 +130,15 @@ class UpstreamError(HTTPError):
 
     def __init__(
         self, message: str, *, status: int = 502, retryable: bool = True,
-        unreachable: bool = False,
+        unreachable: bool = False, engine_fault: bool = True,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.retryable = retryable
         #: The engine could not be reached at all (connect refused/reset): take it out of rotation.
         self.unreachable = unreachable
+        #: Counts against the engine's circuit breaker (False: the engine is busy, e.g. a 429).
+        self.engine_fault = engine_fault
         if status == 504:
             self.code = "upstream_timeout"
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 
+from middleware.breaker import STATE_VALUE, Breaker, BreakerState
 from middleware.config import EngineConfig, PoolConfig
 from middleware.engine import EngineAdapter
 from middleware.errors import ConfigError
@@ -31,14 +32,18 @@ class _Engine:
     """Mutable live state of one engine; only the pool touches it."""
 
     __slots__ = (
-        "adapter", "config", "failures", "headers", "healthy", "in_flight_requests",
-        "in_flight_tokens", "last_error", "metrics", "models",
+        "adapter", "breaker", "config", "confirmed", "failures", "headers", "healthy",
+        "in_flight_requests", "in_flight_tokens", "last_error", "metrics", "models",
     )
 
-    def __init__(self, config: EngineConfig, adapter: EngineAdapter) -> None:
+    def __init__(self, config: EngineConfig, adapter: EngineAdapter, breaker: Breaker) -> None:
         self.config = config
         self.adapter = adapter
-        self.healthy = True  # optimistic until the first probe says otherwise
+        #: The probes' verdict: optimistic until ``unhealthy_after`` probes in a row failed.
+        self.healthy = True
+        #: A probe has succeeded at least once (readiness: ``GET /health`` answers 200 only then).
+        self.confirmed = False
+        self.breaker = breaker
         self.models: frozenset[str] = frozenset(config.models)
         self.metrics = EngineMetrics()
         self.in_flight_requests = 0
@@ -51,7 +56,8 @@ class _Engine:
         c = self.config
         return Endpoint(
             id=c.name, url=c.url, kind=c.kind, role=c.role, models=self.models,
-            healthy=self.healthy, in_flight_requests=self.in_flight_requests,
+            healthy=self.healthy and self.breaker.allows(),
+            in_flight_requests=self.in_flight_requests,
             in_flight_tokens=self.in_flight_tokens, metrics=self.metrics, labels=c.labels,
             kv_events=c.kv_events, kv_events_replay=c.kv_events_replay,
         )
@@ -84,6 +90,7 @@ class Lease:
         if engine is not None:
             engine.in_flight_requests -= 1
             engine.in_flight_tokens -= self._tokens
+            engine.breaker.on_release()
             self._pool._dirty = True
 
 
@@ -98,7 +105,11 @@ class EndpointPool:
         listeners: Sequence[EndpointSetListener] = (),
     ) -> None:
         self.config = config
-        self._engines = {e.name: _Engine(e, adapters[e.kind]) for e in engines}
+        self._engines = {
+            e.name: _Engine(e, adapters[e.kind], Breaker(config.breaker_failures)) for e in engines
+        }
+        #: Breaker transitions by (engine, new state): bounded by engines x 3 states.
+        self.transitions: dict[tuple[str, str], int] = {}
         self._listeners = tuple(listeners)
         self._snapshot: tuple[Endpoint, ...] = ()
         self._dirty = True
@@ -123,18 +134,47 @@ class EndpointPool:
         engine = self._engines[endpoint_id]
         engine.in_flight_requests += 1
         engine.in_flight_tokens += tokens
+        engine.breaker.on_dispatch()
         self._dirty = True
         return Lease(self, engine, tokens)
 
     def report_failure(self, endpoint_id: EndpointId, reason: str) -> None:
-        """A request could not reach the engine: out of rotation until a probe succeeds."""
+        """A request could not reach the engine: its breaker opens at once (out of rotation
+        until a probe succeeds, then one trial request)."""
         engine = self._engines[endpoint_id]
-        if engine.healthy:
-            log.warning("engine %s marked unhealthy: %s", endpoint_id, reason)
-        engine.healthy = False
-        engine.failures = max(engine.failures, self.config.unhealthy_after)
         engine.last_error = reason
+        self._breaker_moved(engine, engine.breaker.trip(), reason)
+
+    def report_outcome(self, endpoint_id: EndpointId, error: str | None) -> None:
+        """A request's verdict on the engine (``error`` None: it served): feeds its breaker."""
+        engine = self._engines.get(endpoint_id)
+        if engine is None:
+            return
+        if error is None:
+            self._breaker_moved(engine, engine.breaker.on_success(), "a request succeeded")
+            return
+        engine.last_error = error
+        moved = engine.breaker.on_failure()
+        self._breaker_moved(engine, moved, f"{engine.breaker.threshold} request failures in a "
+                            f"row, the last: {error}" if moved is BreakerState.OPEN else error)
+
+    def _breaker_moved(self, engine: _Engine, to: BreakerState | None, why: str) -> None:
         self._dirty = True
+        if to is None:
+            return
+        name = engine.config.name
+        key = (name, to.value)
+        self.transitions[key] = self.transitions.get(key, 0) + 1
+        log.warning("engine %s: circuit breaker %s (%s)", name, to.value, why)
+
+    def breaker_states(self) -> dict[str, float]:
+        """``kvgate_engine_breaker_state`` values by engine (breaker.STATE_VALUE)."""
+        return {n: STATE_VALUE[e.breaker.state] for n, e in self._engines.items()}
+
+    def ready(self) -> bool:
+        """Some engine is in rotation and a probe has confirmed it (readiness)."""
+        return any(e.confirmed and e.healthy and e.breaker.state is not BreakerState.OPEN
+                   for e in self._engines.values())
 
     def models(self) -> frozenset[str]:
         out: set[str] = set()
@@ -201,7 +241,10 @@ class EndpointPool:
         if ok:
             if not engine.healthy:
                 log.info("engine %s is healthy again", engine.config.name)
-            engine.healthy, engine.failures, engine.last_error = True, 0, None
+            engine.healthy, engine.failures, engine.confirmed = True, 0, True
+            if engine.breaker.state is BreakerState.CLOSED:
+                engine.last_error = None
+            self._breaker_moved(engine, engine.breaker.on_probe_ok(), "a health probe passed")
             return
         engine.failures += 1
         engine.last_error = reason
@@ -229,7 +272,9 @@ class EndpointPool:
         return [
             {
                 "name": e.config.name, "url": e.config.url, "role": e.config.role.value,
-                "healthy": e.healthy, "models": sorted(e.models),
+                "healthy": e.healthy and e.breaker.state is not BreakerState.OPEN,
+                "confirmed": e.confirmed, "breaker": e.breaker.state.value,
+                "models": sorted(e.models),
                 "in_flight_requests": e.in_flight_requests, "last_error": e.last_error,
             }
             for e in self._engines.values()

@@ -49,7 +49,8 @@ async def open_request(
     finally:
         resp.release()
     if resp.status >= 500 or resp.status == 429:
-        raise UpstreamError(f"engine answered {resp.status}", retryable=True)
+        raise UpstreamError(f"engine answered {resp.status}", retryable=True,
+                            engine_fault=resp.status != 429)
     content_type = resp.headers.get("content-type", "application/json")
     raise UpstreamHTTPError(resp.status, payload, content_type)
 

@@ -152,16 +152,20 @@ async def test_no_healthy_engine_is_503(fleet: list[RunningSim]) -> None:
 @pytest.mark.parametrize("stream", [False, True])
 async def test_upstream_5xx_retried_on_other_engine(fleet: list[RunningSim], stream: bool) -> None:
     # round robin (its counter advances on the retry too): every request tries sim-0 first,
-    # fails there (sim-0 stays healthy: it answers), and is retried on sim-1
-    data = gateway_config([s.url for s in fleet], picker="round-robin-picker")
+    # fails there (its probes pass: it answers), and is retried on sim-1, until sim-0's circuit
+    # breaker opens (3 failures in a row); then requests go to sim-1 at once. No probe runs
+    # during the test (30 s interval), so the breaker stays open.
+    data = gateway_config([s.url for s in fleet], picker="round-robin-picker",
+                          pool={"health_interval_s": 30, "metrics_interval_s": 30})
     async with gateway(data) as (app, client):
         fleet[0].faults.apply(FaultSpec(fail_next=100, status=503))
-        for _ in range(4):
+        for _ in range(5):
             resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
             assert resp.status_code == 200
             assert resp.headers["x-kvgate-engine"] == "sim-1"
         text = (await client.get("/metrics")).text
-        assert 'kvgate_upstream_retries_total{engine="sim-0"} 4.0' in text
+        assert 'kvgate_upstream_retries_total{engine="sim-0"} 3.0' in text
+        assert 'kvgate_engine_breaker_state{engine="sim-0"} 2.0' in text
         assert _in_flight(app) == [0, 0]
 
 
