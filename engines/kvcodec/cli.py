@@ -1,0 +1,63 @@
+"""``kvgate codec setup|bench``: the lossless BF16 KV-block codec (gateway side, no torch).
+
+``bench`` sets up the engine-side environment (:mod:`engines.kvcodec.venv`) and runs
+``python -m engines.kvcodec.bench`` there; its last stdout line is the JSON report
+(``bit_exact``, ``saving``, ``per_kind``, ``gpu_decode_gbps``...). ``--out`` also writes that
+report, with the command that produced it, to a file (bench/results/codec-saving.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from engines.kvcodec.venv import engine_env, engine_side_path, ensure_codec_env
+
+BENCH_OPTIONS = ("block_tokens", "chunk", "max_len", "windows", "triton_blocks", "repeats")
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("codec", help="lossless BF16 KV-block codec (engine side)")
+    csub = p.add_subparsers(dest="codec_command", required=True)
+    csub.add_parser("setup", help="engine venv + the real model for K/V (idempotent)"
+                    ).set_defaults(func=lambda a: _setup())
+    b = csub.add_parser("bench", help="bit-exactness and saving on real K/V; GPU decode speed")
+    b.add_argument("--json", action="store_true", help="print only the JSON report line")
+    b.add_argument("--out", type=Path, help="also write the report (and command) here")
+    for name in BENCH_OPTIONS:
+        b.add_argument("--" + name.replace("_", "-"), type=int,
+                       help="see python -m engines.kvcodec.bench --help")
+    b.set_defaults(func=_bench)
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _setup() -> int:
+    print(ensure_codec_env(_progress))
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    python = ensure_codec_env(_progress)
+    passed = [f"--{n.replace('_', '-')}={getattr(args, n)}" for n in BENCH_OPTIONS
+              if getattr(args, n) is not None]
+    cmd = [str(python), "-m", "engines.kvcodec.bench", *(["--json"] if args.json else []),
+           *passed]
+    with engine_side_path() as path:
+        done = subprocess.run(cmd, env=engine_env(path), stdout=subprocess.PIPE, text=True,
+                              check=False)
+    if done.returncode != 0:
+        print(done.stdout, end="")
+        return done.returncode
+    lines = done.stdout.splitlines()
+    if args.out is not None:
+        report = json.loads(lines[-1])
+        command = " ".join(["kvgate codec bench --json", *passed])
+        args.out.write_text(json.dumps({**report, "command": command}, indent=1) + "\n")
+    print("\n".join(lines))
+    return 0
