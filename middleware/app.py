@@ -14,6 +14,7 @@ import time
 import urllib.parse
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Mapping
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -47,6 +48,7 @@ from middleware.plugin import AsgiApp, HealthSource, HttpRequest, MetricsSource,
 from middleware.pool import EndpointPool
 from middleware.redact import public_view
 from middleware.registry import Registry
+from middleware.routing_state import RoutingStateFile
 from middleware.states import StateMap, StateMapCollector
 from middleware.tracing import Tracing
 
@@ -105,6 +107,9 @@ class KvgateApp:
         self.tracing = Tracing.from_config(config.tracing)
         self.gateway = Gateway(config, self.pipeline, self.pool, self.metrics, states,
                                tracing=self.tracing)
+        self.routing_state = _routing_state(config, self.pipeline.plugins)
+        if self.routing_state is not None:
+            self.metrics.registry.register(self.routing_state.collector())
         self.started_at = int(time.time())
         self._session: aiohttp.ClientSession | None = None
         self.loopback = Loopback(self, self.pipeline.authenticator, self.pool.snapshot)
@@ -124,10 +129,14 @@ class KvgateApp:
         await self.pool.start(self._session)
         for plugin in self.pipeline.lifecycles:
             await plugin.start()
+        if self.routing_state is not None:
+            self.routing_state.start()
         log.info("kvgate ready: %d engines, models %s", len(self.config.engines),
                  sorted(self.pool.models()))
 
     async def shutdown(self) -> None:
+        if self.routing_state is not None:
+            await _bounded(self.routing_state.stop(), "the routing state's last save")
         for plugin in reversed(self.pipeline.lifecycles):
             await _bounded(plugin.stop(), f"plugin {getattr(plugin, 'name', plugin)!r}")
         await _bounded(self.pool.stop(), "the engine pool")
@@ -235,6 +244,8 @@ class KvgateApp:
         sections = self._plugin_health()
         if sections:
             body["plugins"] = sections
+        if self.routing_state is not None:
+            body["routing_state"] = self.routing_state.health()
         await send_json(send, status, body if self._is_admin(headers) else public_view(body))
 
     def _is_admin(self, headers: dict[str, str]) -> bool:
@@ -286,6 +297,16 @@ class KvgateApp:
             if card["id"] == model_id:
                 return card
         raise model_not_found(model_id, self.pool.models())
+
+
+def _routing_state(config: GatewayConfig, plugins: Mapping[str, object]
+                   ) -> RoutingStateFile | None:
+    """The routing-state file of this fleet (``server.routing_state_dir``), or None."""
+    directory = config.server.routing_state_dir
+    if directory is None:
+        return None
+    engines = [(e.name, e.url) for e in config.engines]
+    return RoutingStateFile(Path(directory), engines, plugins, config.server.routing_state_save_s)
 
 
 def _covers(prefix: str, path: str) -> bool:

@@ -229,6 +229,23 @@ class Lifecycle(Protocol):
     async def stop(self) -> None: ...
 
 
+@runtime_checkable
+class Persistent(Protocol):
+    """Plugins whose routing state is worth keeping across a restart (session pins, cache
+    pressure): the app writes :meth:`snapshot` to ``server.routing_state_dir`` periodically and
+    at shutdown, and hands it back to :meth:`restore` at startup, before the first request
+    (middleware/routing_state.py)."""
+
+    def snapshot(self) -> dict[str, object]:
+        """A JSON-able copy of the state, taken on the event loop (cheap: it is bounded)."""
+        ...
+
+    def restore(self, data: dict[str, object]) -> int:
+        """Take back a snapshot (possibly from an older build: validate, raise ValueError /
+        TypeError / KeyError when it cannot be used); returns the entries restored."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class HttpRequest:
     """A non-inference request routed to a plugin. ``headers`` are lower-cased and *include*

@@ -97,6 +97,9 @@ def per_worker(config: GatewayConfig, slot: int, registry: Registry) -> GatewayC
     if slot == 0:
         return config
     data = config.model_dump(exclude={"source"})
+    state_dir = data["server"]["routing_state_dir"]
+    if state_dir is not None:
+        data["server"]["routing_state_dir"] = f"{state_dir}/worker-{slot}"
     for plugin in data["plugins"]:
         cls = registry.plugin_class(plugin["type"])
         fields = cls.Params.model_fields if cls is not None else {}

@@ -78,6 +78,7 @@ from middleware.plugin import (
     DispatchHook,
     EndpointSetListener,
     MetricsSource,
+    Persistent,
     Plugin,
     PluginLookup,
     Scorer,
@@ -129,6 +130,20 @@ class InsertionLedger:
     def forget(self, engine: EndpointId) -> None:
         self._entries.pop(engine, None)
 
+    def snapshot(self) -> dict[str, object]:
+        return {"total": self.total,
+                "entries": {e: [amount, at] for e, (amount, at) in self._entries.items()}}
+
+    def restore(self, data: Mapping[str, object]) -> int:
+        """Take back :meth:`snapshot`'s output (ValueError/TypeError when malformed)."""
+        entries, total = data["entries"], data["total"]
+        if not isinstance(entries, dict) or not isinstance(total, int | float):
+            raise TypeError("ledger: entries must be a mapping and total a number")
+        restored = {str(e): (float(v[0]), float(v[1])) for e, v in entries.items()}
+        self.total = float(total)
+        self._entries = restored
+        return len(restored)
+
 
 @dataclass(slots=True)
 class PlacementStats:
@@ -141,6 +156,7 @@ class PlacementStats:
     )
     pins_used: int = 0
     pins_evicted: int = 0
+    hints_used: int = 0
     inserted_tokens: int = 0
     remote_inserted_tokens: int = 0
 
@@ -157,7 +173,9 @@ class Placement:
 PLACEMENT: StateKey[Placement] = StateKey("kv-placement")
 
 
-class KvPlacementScorer(Plugin, Scorer, DispatchHook, EndpointSetListener, MetricsSource):
+class KvPlacementScorer(
+    Plugin, Scorer, DispatchHook, EndpointSetListener, MetricsSource, Persistent
+):
     """Plugin ``kv-placement-scorer`` (see the module docstring and docs/plugins/placement.md).
 
     Params (units in brackets):
@@ -226,7 +244,12 @@ class KvPlacementScorer(Plugin, Scorer, DispatchHook, EndpointSetListener, Metri
         self._inserted: dict[EndpointId, float] = {}
         if self.load is not None:
             self.load.share_counters(CounterShare(self._inserted.copy, self.add_remote))
-        self._pins: OrderedDict[str, EndpointId] = OrderedDict()
+        #: session -> (engine it used last, prompt tokens it sent there), least recent first
+        self._pins: OrderedDict[str, tuple[EndpointId, int]] = OrderedDict()
+        #: Pins restored after a restart, until the session's next dispatch: the index cannot
+        #: see prefixes stored before the restart, so the pinned engine is taken to hold
+        #: what the session sent it (at most ``max_sessions``: a subset of the pins).
+        self._hints: dict[str, tuple[EndpointId, int]] = {}
         self._capacity: dict[EndpointId, int] = {}
 
     # -- inputs -------------------------------------------------------------------------------
@@ -268,7 +291,11 @@ class KvPlacementScorer(Plugin, Scorer, DispatchHook, EndpointSetListener, Metri
         held = {ep.id: min(float(prompt), self.held(match, ep.id)) for ep in eps}
         pressure = {ep.id: self.pressure(ep) + self.p.pressure_floor for ep in eps}
         slowest = min(pressure.values())
-        pinned = state.get(SESSION_PIN) or self._pin_of(state.get(SESSION_KEY))
+        session = state.get(SESSION_KEY)
+        pinned = state.get(SESSION_PIN) or self._pin_of(session)
+        hint = self._hints.get(session) if session is not None else None
+        if hint is not None and hint[0] in held:
+            held[hint[0]] = max(held[hint[0]], float(min(prompt, hint[1])))
         costs: dict[EndpointId, float] = {}
         for ep in eps:
             turnover = (pressure[ep.id] / slowest) ** self.p.pressure_exponent
@@ -319,7 +346,9 @@ class KvPlacementScorer(Plugin, Scorer, DispatchHook, EndpointSetListener, Metri
             add_log_field(state, "placement", kind)
         session = state.get(SESSION_KEY)
         if session is not None:
-            self._pin(session, target)
+            if self._hints.pop(session, None) is not None:
+                self.stats.hints_used += 1
+            self._pin(session, target, prompt)
 
     def add_remote(self, inserted: Mapping[EndpointId, float]) -> None:
         """The other replicas' insertions since the last exchange (shared through Redis by the
@@ -344,18 +373,43 @@ class KvPlacementScorer(Plugin, Scorer, DispatchHook, EndpointSetListener, Metri
     def _pin_of(self, session: str | None) -> EndpointId | None:
         if session is None:
             return None
-        engine = self._pins.get(session)
+        entry = self._pins.get(session)
+        engine = None if entry is None else entry[0]
         if engine is not None:
             self._pins.move_to_end(session)
             self.stats.pins_used += 1
         return engine
 
-    def _pin(self, session: str, engine: EndpointId) -> None:
-        self._pins[session] = engine
+    def _pin(self, session: str, engine: EndpointId, tokens: int) -> None:
+        self._pins[session] = (engine, tokens)
         self._pins.move_to_end(session)
         while len(self._pins) > self.p.max_sessions:
             self._pins.popitem(last=False)
             self.stats.pins_evicted += 1
+
+    # -- persistence (middleware/routing_state.py) --------------------------------------------
+    def snapshot(self) -> dict[str, object]:
+        """Session pins (least recently used first) and the insertion ledger: what makes a
+        restarted gateway send a session back to its engine and keep the pressures it saw."""
+        return {"pins": [[s, e, t] for s, (e, t) in self._pins.items()],
+                "ledger": self.ledger.snapshot()}
+
+    def restore(self, data: dict[str, object]) -> int:
+        """Take back :meth:`snapshot` (at startup, before the first request); at most
+        ``max_sessions`` pins, the most recent kept."""
+        pins = data["pins"]
+        if not isinstance(pins, list):
+            raise TypeError("pins must be a list")
+        ledger = data["ledger"]
+        if not isinstance(ledger, dict):
+            raise TypeError("ledger must be a mapping")
+        restored: OrderedDict[str, tuple[EndpointId, int]] = OrderedDict()
+        for session, engine, tokens in pins[-self.p.max_sessions:]:
+            restored[str(session)] = (str(engine), int(tokens))
+        engines = self.ledger.restore(ledger)
+        self._pins = restored
+        self._hints = dict(restored)
+        return len(restored) + engines
 
     # -- endpoint set, metrics ----------------------------------------------------------------
     def on_endpoints_changed(
@@ -366,8 +420,9 @@ class KvPlacementScorer(Plugin, Scorer, DispatchHook, EndpointSetListener, Metri
             self._capacity.pop(ep.id, None)
             self._inserted.pop(ep.id, None)
         gone = {ep.id for ep in removed}
-        for session in [s for s, e in self._pins.items() if e in gone]:
+        for session in [s for s, (e, _) in self._pins.items() if e in gone]:
             del self._pins[session]
+            self._hints.pop(session, None)
 
     def collector(self) -> Collector:
         return _PlacementCollector(self)
@@ -397,6 +452,13 @@ class _PlacementCollector(Collector):
                                   value=s.stats.remote_inserted_tokens)
         yield GaugeMetricFamily("kvgate_placement_sessions", "Session pins held",
                                 value=len(s._pins))
+        yield CounterMetricFamily(
+            "kvgate_placement_restored_hints_used",
+            "Sessions placed on the engine a restored pin says holds their prefix",
+            value=s.stats.hints_used)
+        yield GaugeMetricFamily("kvgate_placement_restored_hints",
+                                "Restored pins not yet used by their session",
+                                value=len(s._hints))
         pressure = GaugeMetricFamily(
             "kvgate_placement_pressure",
             "Recent KV insertions per token of capacity (decayed by fleet insertions)",
