@@ -125,9 +125,12 @@ class SharedTier:
         return p.load_setup_s + blocks * p.block_size * p.kv_bytes_per_token / p.link_bytes_per_s
 
     def load(self, hashes: Sequence[int]) -> float:
-        """An engine loads these (held) blocks: refreshes them; returns the load time."""
+        """An engine loads these blocks (held at its match): refreshes those still held (a
+        write between the match and the load may have evicted some: the copy is already on
+        its way); returns the load time."""
         for h in reversed(hashes):
-            self._blocks.move_to_end(h)
+            if h in self._blocks:
+                self._blocks.move_to_end(h)
         seconds = self.load_seconds(len(hashes))
         if hashes:
             self.stats.loads += 1

@@ -107,3 +107,11 @@ def test_an_evicted_tier_gets_only_what_a_gpu_evicts() -> None:
     s.add(SeqSpec("y", [rng.randrange(16, 32_000) for _ in range(100)], 2, ignore_eos=True))
     _run(s)
     assert len(tier) > 0 and all(h not in s.cache for h in tier._blocks)
+
+
+def test_a_load_survives_blocks_evicted_since_the_match() -> None:
+    t = _tier(2)
+    t.put([1, 2], None, [0] * 4)
+    assert t.match_blocks([1, 2]) == 2
+    t.put([7, 8], None, [0] * 4)  # another engine's write evicts both
+    assert t.load([1, 2]) == pytest.approx(t.load_seconds(2)) and len(t) == 2
