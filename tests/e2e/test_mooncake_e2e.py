@@ -29,7 +29,14 @@ from typing import Any
 import pytest
 import yaml
 
-from engines.local.mooncake import MasterAddress, ensure_mooncake_venv, running_master, stop_process
+from engines.kvcodec.venv import engine_env, engine_side_path, ensure_codec_env
+from engines.local.mooncake import (
+    MasterAddress,
+    ensure_mooncake_venv,
+    mooncake_venv,
+    running_master,
+    stop_process,
+)
 from engines.ports import free_port
 
 pytestmark = pytest.mark.e2e
@@ -45,6 +52,10 @@ SEED = 20261123
 KEY = f"{MODEL}@1@0@{random.Random(SEED).getrandbits(64):016x}@bfloat16"
 SEGMENT, BUFFER = 64 << 20, 32 << 20
 CLIENT_TIMEOUT_S = 60.0
+CODEC_CLIENT = str(Path(__file__).with_name("kvcodec_store_client.py"))
+#: One vLLM-style KV block of the real model the codec client reads K/V from
+#: (all-MiniLM-L6-v2): 16 tokens x 12 heads x 32 head_dim.
+CODEC_BLOCK_VALUES = 16 * 384
 
 
 @pytest.fixture(scope="session")
@@ -110,9 +121,17 @@ def _read_line(proc: subprocess.Popen[str], log: Path) -> dict[str, Any]:
 @contextlib.contextmanager
 def holder(python: Path, extra: dict[str, Any], log: Path) -> Iterator[dict[str, Any]]:
     """A client that put the blob and keeps it (its segment) alive until the block ends."""
+    with held(_client(python, "hold", extra), log) as put:
+        yield put
+
+
+@contextlib.contextmanager
+def held(cmd: list[str], log: Path, env: dict[str, str] | None = None
+         ) -> Iterator[dict[str, Any]]:
+    """A client ``cmd`` that puts, prints a line and holds its objects until the block ends."""
     with log.open("w") as err:
-        proc = subprocess.Popen(_client(python, "hold", extra), stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                text=True, env=env)
     try:
         yield _read_line(proc, log)
         assert proc.stdin is not None
@@ -199,3 +218,38 @@ def test_kv_put_by_one_engine_is_read_byte_exact_by_the_others(
     while KEY in _admin(master, "/get_all_keys").splitlines():  # it lived in the holder's memory
         assert time.monotonic() < deadline, "key still listed after its holder closed"
         time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def codec_python() -> Path:
+    return ensure_codec_env(progress=print)
+
+
+def test_codec_store_round_trips_real_kv_through_the_store(
+        rendered: tuple[dict[str, Any], Path], master: MasterAddress, mooncake_python: Path,
+        codec_python: Path, tmp_path: Path) -> None:
+    """engines.kvcodec.store.CodecStore over the rendered configs: prefill-0 puts real K/V
+    (encoded), decode-0 gets and decodes it in another process: same bits, fewer bytes."""
+    _, out = rendered
+    site = str(next((mooncake_venv() / "lib").glob("python*/site-packages")))
+
+    def cmd(mode: str, engine: str) -> list[str]:
+        return [str(codec_python), CODEC_CLIENT, mode, site,
+                json.dumps(_extra_config(out, engine)), str(CODEC_BLOCK_VALUES)]
+
+    with engine_side_path() as path:
+        env = engine_env(path)
+        with held(cmd("hold", "prefill-0"), tmp_path / "hold.log", env) as put:
+            assert sorted(put) == sorted(f"kv/{k}/{i}" for k in "KV" for i in range(6))
+            for key, row in put.items():
+                assert row["put"] == 0, key
+                assert row["stored"] <= 0.72 * row["raw"], key  # >= 28 % saved per tensor
+            done = subprocess.run(cmd("read", "decode-0"), input=json.dumps(list(put)) + "\n",
+                                  capture_output=True, text=True, env=env,
+                                  timeout=CLIENT_TIMEOUT_S, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got, closed = (json.loads(line) for line in done.stdout.splitlines()[-2:])
+    assert closed == {"close": 0}
+    assert got["absent"] is True
+    assert got["got"] == {key: {"len": row["stored"], "sha256": row["sha256"],
+                                "shape": row["shape"]} for key, row in put.items()}
