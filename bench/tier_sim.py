@@ -94,6 +94,8 @@ class Fleet:
                          max_model_len=TRACE_BLOCK * setup.gpu_blocks, seed=k)
                for k in range(engines)]
         self.scheds = [Scheduler(c, self.tier) for c in cfg]
+        self.max_len = cfg[0].effective_max_model_len
+        self.rejected = 0
         self.timing = TimingModel(cfg[0].timing)
         metrics = EngineMetrics(extra={KV_CAPACITY_TOKENS: float(cfg[0].capacity_tokens)})
         self.ids = [f"e{k}" for k in range(engines)]
@@ -166,12 +168,15 @@ class Fleet:
             t, _, kind, payload = heapq.heappop(self.events)
             if kind == 0:
                 r = reqs[payload]
+                out_len = max(1, min(r.output_length, max_output))
+                if r.input_length + out_len > self.max_len:  # vLLM's 400: never admitted
+                    self.rejected += 1
+                    continue
                 tokens = prompt_tokens(r)
                 k, charge = self.route(payload, tokens, sessions[payload])
                 self.in_flight[k] += charge
                 arrival[str(payload)] = (t, k, charge)
-                self.scheds[k].add(SeqSpec(str(payload), tokens, max(1, min(
-                    r.output_length, max_output)), ignore_eos=True))
+                self.scheds[k].add(SeqSpec(str(payload), tokens, out_len, ignore_eos=True))
                 if not self.busy[k]:
                     self._start(k, t)
                 continue
@@ -197,6 +202,7 @@ class Fleet:
         tier = sum(s.stats.prompt_tokens_tier for s in self.scheds)
         out: dict[str, Any] = {
             **asdict(self.setup), "requests": len(reqs), "first_tokens": len(ttft),
+            "rejected_too_long": self.rejected,
             "hit_ratio": sum(cached) / prompt, "gpu_hit_ratio": gpu / prompt,
             "tier_hit_ratio": tier / prompt,
             "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
@@ -257,6 +263,34 @@ def references(name: str, reqs: Sequence[TraceRequest], fleet: int) -> dict[str,
     return row
 
 
+def markdown(doc: dict[str, Any]) -> str:
+    """The results as one markdown table per trace and capacity."""
+    out: list[str] = []
+    refs = {(r["trace"], r["fleet_blocks"]): r for r in doc["references"]}
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for row in doc["results"]:
+        fleet = doc["engines"] * (row["gpu_blocks"] + row["tier_blocks"] // doc["engines"])
+        key = (row["trace"], fleet if row["name"] == "equal-total" else
+               doc["engines"] * row["gpu_blocks"])
+        groups.setdefault(key, []).append(row)
+    for (trace, fleet), rows in groups.items():
+        ref = refs[(trace, fleet)]
+        out += [f"\n{trace}, first {ref['requests']} requests, {doc['engines']} engines x "
+                f"{fleet // doc['engines']} GPU blocks (pooled LRU {ref['pooled_lru_1x']:.3f}, "
+                f"2x {ref['pooled_lru_2x']:.3f}, ideal {ref['ideal']:.3f}):\n",
+                "| setup | GPU blocks/engine | tier blocks | hit | GPU hit | tier hit "
+                "| TTFT p50 s | p90 s | p99 s | mean s | preemptions | served |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            tier = r.get("tier", {}).get("capacity", 0)
+            out.append(f"| {r['name']} | {r['gpu_blocks']} | {tier} | {r['hit_ratio']:.3f} | "
+                       f"{r['gpu_hit_ratio']:.3f} | {r['tier_hit_ratio']:.3f} | "
+                       f"{r['ttft_p50_s']:.3f} | {r['ttft_p90_s']:.3f} | {r['ttft_p99_s']:.3f} | "
+                       f"{r['ttft_mean_s']:.3f} | {r['preemptions']} | "
+                       f"{r['first_tokens']}/{r['requests']} |")
+    return "\n".join(out)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.tier_sim", description=__doc__)
     p.add_argument("--traces", default="conversation:2000,synthetic:2000",
@@ -270,6 +304,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-output", type=int, default=32, help="output cap, as bench.replay")
     p.add_argument("--codec-saving", type=Path, default=Path("bench/results/codec-saving.json"))
     p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--report", type=Path, default=None,
+                   help="print the markdown tables of a results JSON and exit")
     args = p.parse_args(argv)
     unknown = set(args.setups.split(",")) - set(SETUPS)
     if unknown:
@@ -279,6 +315,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.report is not None:
+        report: dict[str, Any] = json.loads(args.report.read_text())
+        print(markdown(report))
+        return report
     factor, source = codec_factor(args.codec_saving)
     print(f"codec capacity factor {factor:.3f} ({source})", flush=True)
     doc: dict[str, Any] = {
@@ -307,6 +347,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"tier-sim-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(doc, indent=1))
+    print(markdown(doc))
     print(f"wrote {path}", flush=True)
     return doc
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.replay_trace import TraceRequest
-from bench.tier_sim import SAVING_BOUND, Fleet, Setup, codec_factor, setups
+from bench.tier_sim import SAVING_BOUND, Fleet, Setup, codec_factor, markdown, setups
 
 
 def _trace() -> list[TraceRequest]:
@@ -51,3 +51,18 @@ def test_codec_factor_reads_the_measurement_or_says_it_is_the_bound(tmp_path: Pa
     path.write_text(json.dumps({"saving": 0.25}))
     factor, label = codec_factor(path)
     assert factor == pytest.approx(4 / 3) and label.startswith("measured")
+
+
+def test_a_prompt_longer_than_the_engine_is_rejected_not_queued_forever() -> None:
+    reqs = [*_trace()[:2], TraceRequest(2, 5000, 5 * 512, 4, (91, 92, 93, 94, 95))]
+    row = Fleet(Setup("no-tier", 4), 2).run(reqs, 4)  # 4 blocks: at most 2,048 tokens
+    assert row["rejected_too_long"] == 1 and row["first_tokens"] == 2
+
+
+def test_markdown_has_one_table_per_trace_and_capacity() -> None:
+    rows = [Fleet(s, 2).run(_trace(), 4) | {"trace": "t"} for s in setups(
+        2, 4, 16, 1.5, ["no-tier", "tier", "equal-total"])]
+    refs = [{"trace": "t", "requests": 12, "fleet_blocks": 8, "pooled_lru_1x": 0.1,
+             "pooled_lru_2x": 0.2, "ideal": 0.3}]
+    text = markdown({"engines": 2, "references": refs, "results": rows})
+    assert text.count("| setup |") == 1 and text.count("12/12") == 3
