@@ -21,7 +21,9 @@ Setups of one run (``--gpu-blocks`` C per engine, ``--engines`` N):
 * ``equal-total``: N x (C - x) GPU blocks plus a tier of N x x (x = C / 4), tier-aware: the same
   total blocks as ``no-tier``;
 * ``tier-aware-evicted``: as ``tier-aware``, but engines write a block to the tier when their
-  GPU evicts it (an exclusive tier) instead of every computed block (what the connectors do).
+  GPU evicts it (an exclusive tier) instead of every computed block (what the connectors do);
+* ``tier-aware-w0.5``: as ``tier-aware`` with the tier credited 0.5 (placement's default
+  ``other_tier_weight``) instead of the derived credit: what the derivation is worth.
 
     python -m bench.tier_sim --traces conversation:2000,synthetic:2000 --gpu-blocks 1024,4096
 """
@@ -74,6 +76,8 @@ class Setup:
     capacity_factor: float = 1.0
     aware: bool = False
     write: Literal["through", "evicted"] = "through"
+    #: The tier's credit in routing when ``aware``; None: derived (:class:`TierLink`).
+    credit: float | None = None
 
 
 class Lookup:
@@ -104,7 +108,8 @@ class Fleet:
         self.metrics = metrics
         params: dict[str, Any] = {}
         if setup.aware:
-            params["other_tier_weight"] = TierLink().credit
+            params["other_tier_weight"] = (TierLink().credit if setup.credit is None
+                                           else setup.credit)
         self.scorer = KvPlacementScorer("kv-placement-scorer",
                                         KvPlacementScorer.Params.model_validate(params), Lookup())
         self.rng = random.Random(seed)
@@ -242,12 +247,13 @@ def setups(engines: int, gpu: int, tier: int | None, factor: float,
         "equal-total": Setup("equal-total", gpu - moved, engines * moved, aware=True),
         "tier-aware-evicted": Setup("tier-aware-evicted", gpu, tier_blocks, aware=True,
                                     write="evicted"),
+        "tier-aware-w0.5": Setup("tier-aware-w0.5", gpu, tier_blocks, aware=True, credit=0.5),
     }
     return [every[n] for n in names]
 
 
 SETUPS = ("no-tier", "tier", "tier-aware", "tier-aware-codec", "equal-total",
-          "tier-aware-evicted")
+          "tier-aware-evicted", "tier-aware-w0.5")
 
 
 def references(name: str, reqs: Sequence[TraceRequest], fleet: int) -> dict[str, Any]:
