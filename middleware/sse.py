@@ -19,6 +19,7 @@ from middleware.types import Usage
 _SEP = b"\n\n"
 _DONE = b"[DONE]"
 _DATA = b"data: "
+_DONE_EVENT = b"data: [DONE]\n\n"
 
 #: Edits a usage-carrying event's data for the client (P/D: the prefill side's cache hit) and
 #: returns the usage the client and the hooks see.
@@ -49,7 +50,13 @@ class EventRelay:
         return markers is None or any(m in data for m in markers)
 
     def feed(self, chunk: bytes) -> bytes:
+        if self.done:
+            return b""  # nothing after the end marker reaches the client
         data = self._pending + chunk if self._pending else chunk
+        if _DONE in data:  # cheap guard; the exact end is looked for only then
+            end = _done_end(data)
+            if end >= 0:
+                data, self._pending = data[:end], b""
         if data.endswith(_SEP) and not self._marked(data):
             self._pending = b""  # fast path: whole events, nothing to inspect
             self._count(data)
@@ -66,13 +73,13 @@ class EventRelay:
 
     def _count(self, data: bytes) -> None:
         self.events += data.count(_DATA)
-        if b"data: [DONE]" in data:
+        if _DONE in data and _done_end(data) >= 0:
             self.done = True
             self.events -= 1
 
     def _event(self, event: bytes) -> bytes:
-        self._count(event)
         out = event + _SEP
+        self._count(out)
         if not self._marked(event):
             return out
         head, payload = _split(event)
@@ -93,9 +100,21 @@ class EventRelay:
         self.usage = usage if self._adjust is None else self._adjust(payload, usage)
 
     def flush(self) -> bytes:
-        """Whatever incomplete event remains when the upstream ends."""
+        """Whatever incomplete event remains when the upstream ends, terminated (the client's
+        stream always ends on an event boundary); nothing once the end marker was relayed."""
         rest, self._pending = self._pending, b""
-        return rest
+        return rest + _SEP if rest.strip() else b""
+
+
+def _done_end(data: bytes) -> int:
+    """Where the ``data: [DONE]`` event ends in ``data`` (the index past its blank line), or -1.
+    Only a whole line counts: ``data: {"x": "data: [DONE]"}`` is not the end marker."""
+    at = data.find(_DONE_EVENT)
+    while at >= 0:
+        if at == 0 or data[at - 1] == 0x0A:  # at a line start
+            return at + len(_DONE_EVENT)
+        at = data.find(_DONE_EVENT, at + 1)
+    return -1
 
 
 def _split(event: bytes) -> tuple[list[bytes], dict[str, Any] | None]:

@@ -95,3 +95,32 @@ def test_error_event_is_openai_shaped() -> None:
     event = error_event("boom")
     assert event.startswith(b"data: ") and event.endswith(b"\n\n")
     assert json.loads(event[6:])["error"]["message"] == "boom"
+
+
+# Found by tests/integration/test_fuzz_gateway.py: bytes an engine sent after ``data: [DONE]``
+# reached the client (events after the end, or a partial event with no blank line after it).
+@pytest.mark.parametrize("size", [1, 5, 1000])
+@pytest.mark.parametrize(("after", "marked"), [
+    (CHUNK1, False), (b"\x00\x00", False), (b"data: {", False), (USAGE_CHUNK, True),
+    (b"event: error\n", False),
+])
+def test_nothing_after_the_end_marker(size: int, after: bytes, marked: bool) -> None:
+    tap = SSETap(strip_usage=False)
+    stream = CHUNK1 + (USAGE_CHUNK if marked else b"") + DONE + after + CHUNK2
+    out = b"".join(tap.feed(c) for c in _split(stream, size)) + tap.flush()
+    assert _events(out) == _events(CHUNK1 + (USAGE_CHUNK if marked else b"") + DONE)
+    assert out.endswith(DONE) and tap.done and tap.events == 1 + marked
+
+
+@pytest.mark.parametrize("data", [b"data: {data: [DONE]\n\n",
+                                  b'data: {"t": "data: [DONE]\\n\\n"}\n\n'])
+def test_end_marker_only_as_a_whole_line(data: bytes) -> None:
+    tap = SSETap(strip_usage=False)
+    assert tap.feed(data) == data and not tap.done
+
+
+def test_a_partial_last_event_is_terminated() -> None:
+    tap = SSETap(strip_usage=False)
+    assert tap.feed(CHUNK1 + b"event: x\ndata: {}") == CHUNK1
+    assert tap.flush() == b"event: x\ndata: {}\n\n"
+    assert tap.flush() == b""
