@@ -151,7 +151,10 @@ class EndpointPool:
         if engine is None:
             return
         if error is None:
-            self._breaker_moved(engine, engine.breaker.on_success(), "a request succeeded")
+            breaker = engine.breaker
+            if breaker.state is BreakerState.CLOSED and not breaker.failures:
+                return  # the common case, nothing to change: the snapshot stays valid
+            self._breaker_moved(engine, breaker.on_success(), "a request succeeded")
             return
         engine.last_error = error
         moved = engine.breaker.on_failure()
