@@ -23,7 +23,8 @@ Setups of one run (``--gpu-blocks`` C per engine, ``--engines`` N):
 * ``tier-aware-evicted``: as ``tier-aware``, but engines write a block to the tier when their
   GPU evicts it (an exclusive tier) instead of every computed block (what the connectors do);
 * ``tier-aware-w0.5``: as ``tier-aware`` with the tier credited 0.5 (placement's default
-  ``other_tier_weight``) instead of the derived credit: what the derivation is worth.
+  ``other_tier_weight``) instead of the derived credit: what the derivation is worth;
+* ``equal-total-evicted``: as ``equal-total`` with the tier written on GPU eviction.
 
     python -m bench.tier_sim --traces conversation:2000,synthetic:2000 --gpu-blocks 1024,4096
 """
@@ -248,12 +249,14 @@ def setups(engines: int, gpu: int, tier: int | None, factor: float,
         "tier-aware-evicted": Setup("tier-aware-evicted", gpu, tier_blocks, aware=True,
                                     write="evicted"),
         "tier-aware-w0.5": Setup("tier-aware-w0.5", gpu, tier_blocks, aware=True, credit=0.5),
+        "equal-total-evicted": Setup("equal-total-evicted", gpu - moved, engines * moved,
+                                     aware=True, write="evicted"),
     }
     return [every[n] for n in names]
 
 
 SETUPS = ("no-tier", "tier", "tier-aware", "tier-aware-codec", "equal-total",
-          "tier-aware-evicted", "tier-aware-w0.5")
+          "tier-aware-evicted", "tier-aware-w0.5", "equal-total-evicted")
 
 
 def references(name: str, reqs: Sequence[TraceRequest], fleet: int) -> dict[str, Any]:
@@ -276,7 +279,7 @@ def markdown(doc: dict[str, Any]) -> str:
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for row in doc["results"]:
         fleet = doc["engines"] * (row["gpu_blocks"] + row["tier_blocks"] // doc["engines"])
-        key = (row["trace"], fleet if row["name"] == "equal-total" else
+        key = (row["trace"], fleet if row["name"].startswith("equal-total") else
                doc["engines"] * row["gpu_blocks"])
         groups.setdefault(key, []).append(row)
     for (trace, fleet), rows in groups.items():

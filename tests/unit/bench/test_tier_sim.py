@@ -39,9 +39,12 @@ def test_the_tier_serves_what_the_gpus_evicted(setup: Setup) -> None:
 
 
 def test_equal_total_moves_a_quarter_of_each_gpu_into_the_tier() -> None:
-    rows = {s.name: s for s in setups(8, 1024, None, 1.5, ["no-tier", "equal-total", "tier"])}
+    rows = {s.name: s for s in setups(8, 1024, None, 1.5, ["no-tier", "equal-total", "tier",
+                                                            "equal-total-evicted"])}
     assert rows["equal-total"].gpu_blocks * 8 + rows["equal-total"].tier_blocks == 8 * 1024
     assert rows["tier"].tier_blocks == 8 * 1024 and rows["no-tier"].tier_blocks == 0
+    assert rows["equal-total-evicted"].write == "evicted"
+    assert rows["equal-total-evicted"].tier_blocks == rows["equal-total"].tier_blocks
 
 
 def test_codec_factor_reads_the_measurement_or_says_it_is_the_bound(tmp_path: Path) -> None:
