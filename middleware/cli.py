@@ -10,10 +10,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from pydantic import ValidationError
+
 from middleware.config import (
     PD_CONNECTORS,
     AccessLogConfig,
     GatewayConfig,
+    TracingConfig,
     load_config,
     with_billing,
     with_quotas,
@@ -110,7 +113,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         config = config.model_copy(update={"server": server})
     config = with_billing(config, prices=args.prices, ledger=args.ledger, keys=args.keys)
     config = with_quotas(with_shared_state(config, args.redis))
-    return serve_config(config, args.workers)
+    return serve_config(with_tracing(config, args.otlp_endpoint), args.workers)
+
+
+def with_tracing(config: GatewayConfig, endpoint: str | None) -> GatewayConfig:
+    """``--otlp-endpoint URL``: tracing on, spans to ``URL/v1/traces`` (the config's other
+    tracing settings kept); None: the config unchanged."""
+    if endpoint is None:
+        return config
+    base = config.tracing.model_dump() if config.tracing is not None else {}
+    try:
+        tracing = TracingConfig.model_validate({**base, "otlp_endpoint": endpoint})
+    except ValidationError:
+        raise ConfigError(f"--otlp-endpoint {endpoint!r}: not an http(s) URL") from None
+    return config.model_copy(update={"tracing": tracing})
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -147,6 +163,9 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--redis", metavar="URL",
                    help="redis://HOST:PORT/DB: state shared between gateway replicas (budgets, "
                    "quotas, keys, session pins; docs/operations.md); default: per process")
+    p.add_argument("--otlp-endpoint", metavar="URL",
+                   help="OpenTelemetry tracing on, spans sent over OTLP/HTTP to URL/v1/traces "
+                   "(needs the 'tracing' extra; docs/observability.md)")
     p.add_argument("--workers", type=_positive, default=1, metavar="N",
                    help="gateway processes sharing the port (default 1); with N > 1 give --redis "
                    "so that they route as one (docs/operations.md)")
