@@ -41,6 +41,7 @@ from middleware.errors import (
     model_not_found,
 )
 from middleware.gateway import ApiRoutes, Gateway
+from middleware.h1client import H1Client
 from middleware.loopback import Loopback
 from middleware.metrics import GatewayMetrics
 from middleware.pipeline import build_pipeline
@@ -112,6 +113,7 @@ class KvgateApp:
             self.metrics.registry.register(self.routing_state.collector())
         self.started_at = int(time.time())
         self._session: aiohttp.ClientSession | None = None
+        self._client: H1Client | None = None
         self.loopback = Loopback(self, self.pipeline.authenticator, self.pool.snapshot)
         for user in self.pipeline.loopback_users:
             user.bind_loopback(self.loopback)
@@ -126,6 +128,8 @@ class KvgateApp:
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
         )
         self.gateway.session = self._session
+        self._client = H1Client(self.config.server.connections_per_engine)
+        self.gateway.dispatcher.client = self._client
         await self.pool.start(self._session)
         for plugin in self.pipeline.lifecycles:
             await plugin.start()
@@ -143,6 +147,9 @@ class KvgateApp:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
         if self.tracing.enabled:  # exports what is queued: blocking, so off the loop
             await asyncio.to_thread(self.tracing.shutdown)
 

@@ -28,6 +28,7 @@ from middleware.errors import (
     UpstreamHTTPError,
     model_not_found,
 )
+from middleware.h1client import H1Client, supports
 from middleware.metrics import GatewayMetrics
 from middleware.pipeline import Pipeline
 from middleware.pool import EndpointPool
@@ -42,7 +43,15 @@ from middleware.types import (
     RoutingDecision,
     Usage,
 )
-from middleware.upstream import first_chunk, open_request, parse_answer, read_answer, relay_stream
+from middleware.upstream import (
+    Client,
+    Response,
+    first_chunk,
+    open_request,
+    parse_answer,
+    read_answer,
+    relay_stream,
+)
 
 log = logging.getLogger("kvgate.dispatch")
 T = TypeVar("T")
@@ -66,6 +75,8 @@ class Dispatcher:
         self.tracing = tracing if tracing is not None else Tracing.off()
         pipeline.scheduler.keep_scores = self.tracing.enabled
         self.session: aiohttp.ClientSession | None = None
+        #: The lean HTTP/1.1 client for ``http://`` engines (None: the session for all).
+        self.client: H1Client | None = None
         server = config.server
         self.timeout = aiohttp.ClientTimeout(
             total=server.request_timeout_s, connect=server.connect_timeout_s)
@@ -340,8 +351,10 @@ class Dispatcher:
                    **self.pool.headers(target.id)}
         self.tracing.inject(headers, ctx.headers)
         url = target.url + adapter.upstream_path(ctx.path)
-        resp = await open_request(self.session, url, self._body(ctx, body), headers,
-                                  self.timeout)
+        client: Client = self.session
+        if self.client is not None and supports(url):
+            client = self.client
+        resp = await open_request(client, url, self._body(ctx, body), headers, self.timeout)
         attempt.tap = adapter.new_tap(req.client_wants_usage)
         if not req.stream:
             await self._answer(ctx, attempt, resp, rewriter)
@@ -359,7 +372,7 @@ class Dispatcher:
         await relay_stream(resp, chunk, ctx.send, relay, attempt, adapter.stream_error,
                            lambda: self.report_usage(ctx, attempt))
 
-    async def _answer(self, ctx: RequestContext, attempt: Attempt, resp: aiohttp.ClientResponse,
+    async def _answer(self, ctx: RequestContext, attempt: Attempt, resp: Response,
                       rewriter: UsageRewriter | None) -> None:
         """A whole JSON answer: usage read, hooks run, then the bytes (the engine's own unless
         the P/D rewrite changed them) sent."""

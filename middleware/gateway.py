@@ -46,7 +46,7 @@ from middleware.requests import build_request, client_request_id, load_body, new
 from middleware.states import StateMap
 from middleware.tracing import Tracing
 from middleware.types import Endpoint, InferenceRequest, Principal
-from middleware.upstream import open_request
+from middleware.upstream import Response, open_request
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -290,14 +290,14 @@ def _healthy(eps: Sequence[Endpoint], engine: str) -> Endpoint | None:
     return next((ep for ep in eps if ep.id == engine and ep.healthy), None)
 
 
-async def _relay_raw(ctx: RequestContext, resp: aiohttp.ClientResponse, engine: str) -> int:
+async def _relay_raw(ctx: RequestContext, resp: Response, engine: str) -> int:
     """The engine's answer as is (status, content type, bytes as they arrive)."""
     ct = resp.headers.get("content-type", "application/json").encode()
     headers = [(b"content-type", ct), *ctx.response_headers,
                (b"x-kvgate-engine", engine.encode())]
     await ctx.send({"type": "http.response.start", "status": resp.status, "headers": headers})
     try:
-        async for chunk in resp.content.iter_any():
+        while chunk := await resp.content.readany():
             await ctx.send({"type": "http.response.body", "body": chunk, "more_body": True})
     except (aiohttp.ClientError, TimeoutError) as exc:
         log.warning("request %s: engine broke off: %s", ctx.request_id, exc)

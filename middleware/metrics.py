@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterator, Mapping
+from itertools import accumulate
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from middleware.plugin import Plugin
@@ -131,6 +133,41 @@ class _PoolCollector(Collector):
             yield family
 
 
+class HookTimings(Collector):
+    """``kvgate_plugin_hook_duration_seconds{plugin, hook}``: a histogram kept as plain lists.
+
+    A hook call is timed several times per request; prometheus_client's ``Histogram.observe``
+    takes a lock twice and walks the buckets in Python (with the labelled children, ~9 % of the
+    gateway's CPU per 1 KiB request in a py-spy profile). Here one observation is a
+    ``bisect`` and two list updates on the event loop's thread (the only writer), turned into
+    the same histogram family at scrape time. Series: one per (plugin instance, hook), bounded
+    by the configuration; none is ever evicted.
+    """
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.bounds = list(buckets)
+        #: (plugin, hook) -> per-bucket counts (not cumulative), the +Inf count, then the sum
+        self._series: dict[tuple[str, str], list[float]] = {}
+
+    def series(self, plugin: str, hook: str) -> list[float]:
+        """The mutable series of one (plugin, hook): ``[count per bucket..., +Inf, sum]``."""
+        found = self._series.get((plugin, hook))
+        if found is None:
+            found = self._series[(plugin, hook)] = [0.0] * (len(self.bounds) + 2)
+        return found
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(
+            "kvgate_plugin_hook_duration_seconds", "Time in one plugin hook call",
+            labels=["plugin", "hook"])
+        edges = [repr(float(b)) for b in self.bounds] + ["+Inf"]  # as prometheus_client
+        for (plugin, hook), series in self._series.items():
+            cumulative = list(accumulate(series[:-1]))
+            family.add_metric([plugin, hook], list(zip(edges, cumulative, strict=True)),
+                              sum_value=series[-1])
+        yield family
+
+
 class GatewayMetrics:
     """The gateway's metrics; ``render()`` is what ``GET /metrics`` returns."""
 
@@ -161,11 +198,9 @@ class GatewayMetrics:
             "kvgate_pd_requests", "Requests routed with a prefill hop, by how the hop went "
             "(two_hop, fallback: decoded locally, prefill_cancelled)", ["result"], registry=r
         )
-        self.hook_seconds = Histogram(
-            "kvgate_plugin_hook_duration_seconds", "Time in one plugin hook call",
-            ["plugin", "hook"], buckets=_HOOK_BUCKETS, registry=r,
-        )
-        self._hook_children: dict[tuple[int, str], Histogram] = {}
+        self.hook_seconds = HookTimings(_HOOK_BUCKETS)
+        r.register(self.hook_seconds)
+        self._hook_series: dict[tuple[int, str], list[float]] = {}
         self._plugin_names: dict[int, str] = {}
         r.register(_PoolCollector(snapshot))
 
@@ -178,11 +213,12 @@ class GatewayMetrics:
         """One call of ``plugin``'s ``hook`` that began at ``since`` (``time.perf_counter``)."""
         elapsed = time.perf_counter() - since
         key = (id(plugin), hook)
-        child = self._hook_children.get(key)
-        if child is None:
+        series = self._hook_series.get(key)
+        if series is None:
             name = self._plugin_names.get(id(plugin), type(plugin).__name__)
-            child = self._hook_children[key] = self.hook_seconds.labels(name, hook)
-        child.observe(elapsed)
+            series = self._hook_series[key] = self.hook_seconds.series(name, hook)
+        series[bisect_left(self.hook_seconds.bounds, elapsed)] += 1
+        series[-1] += elapsed
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -18,18 +18,23 @@ import orjson
 from middleware.asgi import Send
 from middleware.context import Attempt
 from middleware.errors import UpstreamError, UpstreamHTTPError
+from middleware.h1client import H1Client, H1Response
 from middleware.redact import scrub
 from middleware.sse import EventRelay
 
+#: The engine hop's HTTP client (the lean one for ``http://`` engines) and its response.
+Client = aiohttp.ClientSession | H1Client
+Response = aiohttp.ClientResponse | H1Response
+
 
 async def open_request(
-    session: aiohttp.ClientSession,
+    session: Client,
     url: str,
     body: bytes | None,
     headers: Mapping[str, str],
     timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - aiohttp's own per-request timeout
     method: str = "POST",
-) -> aiohttp.ClientResponse:
+) -> Response:
     """Send to the engine (POST by default); returns a 2xx response whose body is unread."""
     try:
         resp = await session.request(method, url, data=body, headers=headers, timeout=timeout)
@@ -55,7 +60,7 @@ async def open_request(
     raise UpstreamHTTPError(resp.status, payload, content_type)
 
 
-async def read_answer(resp: aiohttp.ClientResponse, attempt: Attempt | None) -> bytes:
+async def read_answer(resp: Response, attempt: Attempt | None) -> bytes:
     """Read a non-streaming answer whole (the attempt records its status and first byte)."""
     try:
         body = await resp.read()
@@ -78,7 +83,7 @@ def parse_answer(body: bytes) -> dict[str, Any] | None:
     return payload if isinstance(payload, dict) else None
 
 
-async def first_chunk(resp: aiohttp.ClientResponse) -> bytes:
+async def first_chunk(resp: Response) -> bytes:
     """The stream's first bytes; failing here still allows a retry elsewhere."""
     try:
         chunk = await resp.content.readany()
@@ -93,7 +98,7 @@ async def first_chunk(resp: aiohttp.ClientResponse) -> bytes:
 
 
 async def relay_stream(
-    resp: aiohttp.ClientResponse,
+    resp: Response,
     first: bytes,
     send: Send,
     relay: EventRelay,
