@@ -1,7 +1,8 @@
-"""Engine faults through the gateway (docs/reliability.md): an engine hanging (timeouts, the
-circuit breaker opens, no request is sent until a probe passes, a trial closes it), an engine
-process killed mid-stream (its clients get the API's SSE error, the other engine takes the rest),
-and readiness (``/health`` is 503 until a probe has confirmed an engine)."""
+"""Engine faults and load through the gateway (docs/reliability.md): an engine hanging
+(timeouts, the circuit breaker opens, no request is sent until a probe passes, a trial closes
+it), an engine process killed mid-stream (its clients get the API's SSE error, the other engine
+takes the rest), readiness (``/health`` is 503 until a probe has confirmed an engine), and 200
+concurrent streams all complete with every lease released."""
 
 from __future__ import annotations
 
@@ -159,3 +160,23 @@ async def test_engine_killed_mid_stream() -> None:
                 assert resp.status == 200 and resp.headers["x-kvgate-engine"] == "sim-1"
             states = {e["name"]: e["breaker"] for e in app.pool.status()}
             assert states["sim-0"] == "open"
+
+
+async def test_200_concurrent_streams_all_complete() -> None:
+    # the suite's small case of bench/reliability.py's 1,000 (docs/reliability.md)
+    body = {**CHAT, "max_tokens": 16, "stream": True}
+    async with sim_fleet(2) as sims, \
+            serve_gateway(gateway_config([s.url for s in sims])) as (app, gw), \
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def one() -> tuple[str, list[Any]]:
+            async with session.post(gw + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                raw = await resp.read()
+            events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e.strip()]
+            return resp.headers["x-kvgate-engine"], events
+
+        results = await asyncio.gather(*(one() for _ in range(200)))
+        assert all(events[-1] == b"[DONE]" and len(events) > 2 for _, events in results)
+        assert {engine for engine, _ in results} == {"sim-0", "sim-1"}
+        assert [ep.in_flight_requests for ep in app.pool.snapshot()] == [0, 0]
