@@ -114,7 +114,7 @@ def per_worker(config: GatewayConfig, slot: int, registry: Registry) -> GatewayC
 def worker_app() -> object:
     """uvicorn factory of one worker: the gateway app of the handed-over config."""
     from middleware.app import create_app
-    from middleware.cli import configure_logging
+    from middleware.cli import configure_logging, tune_gc
 
     config = worker_config()
     configure_logging(config.server.log_level, config.server.access_log)
@@ -122,4 +122,6 @@ def worker_app() -> object:
     registry = Registry.from_entry_points()
     slot = claim_slot(workers, Path(".kvgate"))
     log.info("worker slot %d of %d (pid %d)", slot, workers, os.getpid())
-    return create_app(per_worker(config, slot, registry), registry)
+    app = create_app(per_worker(config, slot, registry), registry)
+    tune_gc()
+    return app

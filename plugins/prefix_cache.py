@@ -68,6 +68,7 @@ from plugins import record_hash
 from plugins.kv_events import KvEventsSubscriber
 from plugins.kv_health import IndexHealth
 from plugins.kv_index import HashingError, KvIndex, chain_hashes, engine_of, request_extra_keys
+from plugins.record_chains import ChainMemo
 from plugins.shared_record import RecordShare, start_record_share
 from plugins.state import CACHE_SALT, PREFIX_MATCH, TOKEN_IDS, TOKEN_IDS_INEXACT, PrefixMatch
 
@@ -149,6 +150,10 @@ class PrefixCacheProducer(
         engine_capacity_blocks: int | None = Field(None, ge=1)
         #: approximate / auto: lifetime of a record after the last request that used it, s.
         record_ttl_s: float = Field(600.0, gt=0)
+        #: approximate / auto: bytes of recent prompts' token ids and record hashes kept so
+        #: that a prompt extending one of them is hashed only past it (plugins/record_chains.py;
+        #: 32 MiB: ~160 agent prompts of 200 KiB; 0: off).
+        chain_memo_bytes: int = Field(32 * 1024 * 1024, ge=0)
         #: approximate / auto: a tenant's requests only match that tenant's records.
         scope_by_tenant: bool = True
         #: Models served as LoRA adapters (their blocks carry the adapter name as extra key).
@@ -178,6 +183,8 @@ class PrefixCacheProducer(
         self.record: KvIndex | None = None if params.mode == "precise" else KvIndex(
             params.capacity_blocks, params.engine_capacity_blocks, params.block_size)
         self._owns_health = source is None
+        #: Recent prompts' record chains: a session's next turn hashes only its new tail.
+        self.chains = ChainMemo(params.chain_memo_bytes)
         #: The other replicas' record insertions (with ``redis_url``, once started).
         self.shared: RecordShare | None = None
         self.states = IndexHealth(policy=params.mode) if source is None else source.health_state
@@ -270,8 +277,8 @@ class PrefixCacheProducer(
         if scoped:
             tenant = req.tenant if self.p.scope_by_tenant and not by_salt else None
             scope = record_hash.scope_of(lora, salt, tenant)
-            return {size: record_hash.chain(tokens, size, group_idx=self.p.group_idx, scope=scope)
-                    for size in sizes}
+            return {size: self.chains.chain(tokens, size, group_idx=self.p.group_idx,
+                                            scope=scope) for size in sizes}
         out: Hashes = {}
         for size in sizes:
             extra = request_extra_keys(len(tokens) // size, lora, salt)

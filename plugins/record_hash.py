@@ -88,9 +88,13 @@ def root(group_idx: int, scope: tuple[str | None, ...]) -> int:
     return int.from_bytes(blake2b(_TAG + packed, digest_size=8).digest(), "little")
 
 
-def _ids(token_ids: Sequence[int], count: int) -> npt.NDArray[np.uint32]:
-    """The first ``count`` ids as uint32 (zero-copy from an ``array('I')``; other sequences
-    through one, which also range-checks them: ~3x faster than ``np.asarray`` on a list)."""
+def _ids(token_ids: Sequence[int] | npt.NDArray[np.uint32],
+         count: int) -> npt.NDArray[np.uint32]:
+    """The first ``count`` ids as uint32 (zero-copy from an ``array('I')`` or a uint32 array;
+    other sequences through an ``array('I')``, which also range-checks them: ~3x faster than
+    ``np.asarray`` on a list)."""
+    if isinstance(token_ids, np.ndarray) and token_ids.dtype == np.uint32:
+        return token_ids[:count]
     if not (isinstance(token_ids, array) and token_ids.itemsize == 4
             and token_ids.typecode in "IL"):
         try:
@@ -98,6 +102,11 @@ def _ids(token_ids: Sequence[int], count: int) -> npt.NDArray[np.uint32]:
         except (OverflowError, TypeError) as exc:
             raise HashingError(f"token ids must be in [0, 2**32): {exc}") from None
     return np.frombuffer(token_ids, dtype=np.uint32, count=count)
+
+
+def uint32_ids(token_ids: Sequence[int], count: int) -> npt.NDArray[np.uint32]:
+    """The first ``count`` ids as a uint32 array (zero-copy where possible; range-checked)."""
+    return _ids(token_ids, count)
 
 
 def _fmix64(x: U64Array) -> U64Array:
@@ -109,7 +118,8 @@ def _fmix64(x: U64Array) -> U64Array:
     return x
 
 
-def _words(token_ids: Sequence[int], count: int, pair: bool) -> U64Array:
+def _words(token_ids: Sequence[int] | npt.NDArray[np.uint32], count: int,
+           pair: bool) -> U64Array:
     """The first ``count`` ids as 64-bit words (step 1)."""
     if (pair and sys.byteorder == "little" and isinstance(token_ids, array)
             and token_ids.itemsize == 4 and token_ids.typecode in "IL"):
@@ -120,7 +130,7 @@ def _words(token_ids: Sequence[int], count: int, pair: bool) -> U64Array:
     return ids.astype(np.uint64)
 
 
-def block_sums(token_ids: Sequence[int], block_size: int) -> U64Array:
+def block_sums(token_ids: Sequence[int] | npt.NDArray[np.uint32], block_size: int) -> U64Array:
     """``sum_j y_ij`` of every full block (steps 1-2; :func:`block_digests` adds step 3)."""
     if block_size <= 0:
         raise HashingError(f"block size must be positive, got {block_size}")
@@ -155,13 +165,19 @@ def _powers(base: int, count: int) -> U64Array:
 
 def chain(token_ids: Sequence[int], block_size: int, *, group_idx: int = 0,
           scope: tuple[str | None, ...] = ()) -> list[int]:
-    """The record hashes ``h_0 .. h_{n-1}`` of the full blocks of ``token_ids``.
+    """The record hashes ``h_0 .. h_{n-1}`` of the full blocks of ``token_ids``."""
+    return chain_from(token_ids, block_size, root(group_idx, scope))
+
+
+def chain_from(token_ids: Sequence[int] | npt.NDArray[np.uint32], block_size: int,
+               h: int) -> list[int]:
+    """The chain of ``token_ids``'s full blocks continued from ``h`` (``h_{-1}``: the root;
+    or the hash of the block before ``token_ids`` to extend a known chain, step 4).
 
     Below :data:`_VECTOR_MIN_BLOCKS` blocks, steps 3-4 run as a Python loop over the sums
     (numpy's ~20 us of fixed cost per call would dominate a short prompt)."""
     sums = block_sums(token_ids, block_size)
     n = len(sums)
-    h = root(group_idx, scope)
     if n < _VECTOR_MIN_BLOCKS:
         out = []
         for s in sums.tolist():

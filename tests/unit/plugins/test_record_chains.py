@@ -1,0 +1,90 @@
+"""The record-chain memo (plugins/record_chains.py): always the chain record_hash computes,
+reusing a recent prompt's blocks where they agree, bounded in bytes."""
+
+from __future__ import annotations
+
+import random
+from array import array
+
+import pytest
+
+from plugins import record_hash
+from plugins.record_chains import ChainMemo
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(2**32) for _ in range(n)]
+
+
+def _edit(rng: random.Random, base: list[int], how: str) -> list[int]:
+    """A next prompt made from ``base``: a session's next turn, a repeat, an edit, ..."""
+    if how == "extend":
+        return base + _ids(rng, rng.randrange(1, 500))
+    if how == "repeat":
+        return list(base)
+    if how == "edit-middle":
+        out = list(base)
+        out[len(out) // 2] ^= 1
+        return out
+    if how == "shorter":
+        return base[: len(base) * 2 // 3]
+    if how == "new-after-first-block":
+        return base[:64] + _ids(rng, 3000)
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["extend", "repeat", "edit-middle", "shorter",
+                                 "new-after-first-block"])
+@pytest.mark.parametrize("block_size", [64, 63, 16])
+@pytest.mark.parametrize("as_array", [False, True])
+def test_same_chain_as_hashing_whole(how: str, block_size: int, as_array: bool) -> None:
+    rng = random.Random(f"{how}-{block_size}")
+    memo = ChainMemo()
+    scope = ("lora", None, "t1")
+    prompt = _ids(rng, 64 * 120 + 5)  # past the vectorised threshold
+    for _turn in range(4):
+        ids = array("I", prompt) if as_array else prompt
+        got = memo.chain(ids, block_size, group_idx=1, scope=scope)
+        assert got == record_hash.chain(ids, block_size, group_idx=1, scope=scope)
+        prompt = _edit(rng, prompt, how)
+    assert memo.stats.hits == 3 and memo.stats.misses == 1
+    if how in ("extend", "repeat"):
+        assert memo.stats.reused_blocks >= 3 * (len(prompt) // block_size) // 2
+
+
+def test_scopes_and_block_sizes_never_share() -> None:
+    rng = random.Random(3)
+    prompt = _ids(rng, 64 * 10)
+    memo = ChainMemo()
+    for scope, size in [(("a",), 64), (("b",), 64), (("a",), 32)]:
+        assert memo.chain(prompt, size, scope=scope) == record_hash.chain(prompt, size,
+                                                                          scope=scope)
+    assert memo.stats.hits == 0 and len(memo) == 3
+
+
+@pytest.mark.parametrize("n", [0, 10, 63])
+def test_short_prompts_are_not_kept(n: int) -> None:
+    memo = ChainMemo()
+    assert memo.chain(list(range(n)), 64) == []
+    assert len(memo) == 0
+
+
+def test_bounded_in_bytes_least_recent_out() -> None:
+    rng = random.Random(5)
+    memo = ChainMemo(max_bytes=200_000)  # each prompt below: 64 * 100 ids, ~27 KB
+    prompts = [_ids(rng, 64 * 100) for _ in range(20)]
+    for p in prompts:
+        memo.chain(p, 64)
+    assert memo.bytes <= 200_000 and memo.stats.evicted > 0
+    memo.chain(prompts[-1], 64)  # the most recent is still there
+    assert memo.stats.hits == 1
+    memo.chain(prompts[0], 64)  # the oldest went first
+    assert memo.stats.hits == 1
+
+
+def test_returned_chain_is_the_callers() -> None:
+    memo = ChainMemo()
+    prompt = list(range(64 * 5))
+    first = memo.chain(prompt, 64)
+    first.clear()
+    assert memo.chain(prompt, 64) == record_hash.chain(prompt, 64)
