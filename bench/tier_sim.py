@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from bench.placement_sim import Lookup, _request
 from bench.replay import TRACE_DIR, trace_path
 from bench.replay_metrics import lru_hit_ratio, percentile
 from bench.replay_trace import TRACE_BLOCK, TraceRequest, infer_sessions, load_trace, prompt_tokens
@@ -52,11 +53,9 @@ from engines.sim.shared_tier import SharedTier, TierParams
 from engines.sim.timing import TimingModel
 from middleware.types import (
     KV_CAPACITY_TOKENS,
-    Api,
     CycleState,
     Endpoint,
     EngineMetrics,
-    InferenceRequest,
     RoutingDecision,
 )
 from plugins.placement import KvPlacementScorer
@@ -79,11 +78,6 @@ class Setup:
     write: Literal["through", "evicted"] = "through"
     #: The tier's credit in routing when ``aware``; None: derived (:class:`TierLink`).
     credit: float | None = None
-
-
-class Lookup:
-    def lookup(self, name: str) -> object:
-        raise KeyError(name)
 
 
 class Fleet:
@@ -138,10 +132,7 @@ class Fleet:
         state.put(TOKEN_IDS, tokens)
         state.put(PREFIX_MATCH, match)
         state.put(SESSION_KEY, str(session))
-        req = InferenceRequest(
-            request_id=str(i), api=Api.COMPLETIONS, model="m", body={"max_tokens": 0},
-            headers={}, stream=False, client_wants_usage=False,
-            prompt_token_estimate=len(tokens), received_at=0.0)
+        req = _request(i, len(tokens))
         eps = self._endpoints()
         scores = self.scorer.score(req, state, eps)
         top = max(scores.values())
