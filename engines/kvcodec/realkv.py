@@ -43,7 +43,8 @@ def capture(window: int = WINDOW, windows: int = WINDOWS) -> dict[str, Tensor]:
     path = model_dir()
     tok = AutoTokenizer.from_pretrained(str(path))
     model = AutoModel.from_pretrained(str(path)).eval()
-    ids = tok((path / "README.md").read_text(), add_special_tokens=False)["input_ids"]
+    ids = tok((path / "README.md").read_text(), add_special_tokens=False,
+              verbose=False)["input_ids"]
     if len(ids) < window * windows:
         raise RuntimeError(f"model card has {len(ids)} tokens, fewer than {window * windows}")
     batch = torch.tensor(ids[:window * windows]).view(windows, window)
