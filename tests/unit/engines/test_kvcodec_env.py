@@ -1,0 +1,23 @@
+"""What the gateway side hands the engine-side codec process: a PYTHONPATH with only
+``engines/kvcodec`` (never the rest of kvgate) and an offline Hugging Face environment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import engines.kvcodec
+from engines.kvcodec.venv import engine_env, engine_side_path
+
+
+def test_engine_side_path_holds_only_the_codec_and_is_removed_after() -> None:
+    with engine_side_path() as path:
+        root = Path(path)
+        assert sorted(p.name for p in root.iterdir()) == ["engines"]
+        assert sorted(p.name for p in (root / "engines").iterdir()) == ["__init__.py", "kvcodec"]
+        assert (root / "engines" / "__init__.py").read_text() == ""
+        codec = (root / "engines" / "kvcodec").resolve()
+        assert codec == Path(engines.kvcodec.__file__).resolve().parent
+        env = engine_env(path)
+        assert env["PYTHONPATH"] == path
+        assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1"
+    assert not root.exists()
