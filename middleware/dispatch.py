@@ -128,11 +128,11 @@ class Dispatcher:
             return
         attempt.usage_reported = True
         req = ctx.request
-        tokens = self.metrics.tokens
-        tokens.labels(req.model, "prompt").inc(usage.prompt_tokens)
-        tokens.labels(req.model, "completion").inc(usage.completion_tokens)
+        metrics, tokens = self.metrics, self.metrics.tokens
+        metrics.child(tokens, req.model, "prompt").inc(usage.prompt_tokens)
+        metrics.child(tokens, req.model, "completion").inc(usage.completion_tokens)
         if usage.cached_tokens is not None:
-            tokens.labels(req.model, "cached").inc(usage.cached_tokens)
+            metrics.child(tokens, req.model, "cached").inc(usage.cached_tokens)
         if not self.pipeline.usage_hooks:
             return
         with self.tracing.span("kvgate.usage"):  # billing's ledger write, quotas
@@ -147,7 +147,8 @@ class Dispatcher:
         now = time.monotonic()
         ttft = None if attempt.first_byte_at is None else attempt.first_byte_at - req.received_at
         if ttft is not None:
-            self.metrics.ttft.labels(ctx.adapter.name, str(req.stream).lower()).observe(ttft)
+            self.metrics.child(self.metrics.ttft, ctx.adapter.name,
+                               "true" if req.stream else "false").observe(ttft)
         errors: list[Exception] = []
         try:
             await self.report_usage(ctx, attempt)

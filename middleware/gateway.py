@@ -160,8 +160,9 @@ class Gateway:
             self.access_log.write(ctx, scope["method"])
             if trace is not None:
                 self.tracing.end_request(trace, _span_attributes(ctx))
-        self.metrics.requests.labels(adapter.name, self._model_label(ctx), str(ctx.status)).inc()
-        self.metrics.latency.labels(adapter.name).observe(time.monotonic() - ctx.received_at)
+        metrics = self.metrics
+        metrics.child(metrics.requests, adapter.name, self._model_label(ctx), str(ctx.status)).inc()
+        metrics.child(metrics.latency, adapter.name).observe(time.monotonic() - ctx.received_at)
 
     async def _request_end(self, req: InferenceRequest, ctx: RequestContext) -> None:
         """Every request-end hook runs, even when another raised (each releases its own)."""

@@ -13,6 +13,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Mapping
 from itertools import accumulate
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -31,6 +32,9 @@ _HOOK_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0
 #: tenants, sessions), so one plugin cannot blow up the label set.
 MAX_HOLDER_KEYS = 64
 _Number = (int, float)
+#: Labelled children memoised by :meth:`GatewayMetrics.child` (label sets are bounded by the
+#: configuration: APIs x served models x statuses; 4,096 is far above any real one).
+MAX_CHILDREN = 4096
 
 
 def _numbers(value: object) -> dict[str, float] | None:
@@ -201,6 +205,7 @@ class GatewayMetrics:
         self.hook_seconds = HookTimings(_HOOK_BUCKETS)
         r.register(self.hook_seconds)
         self._hook_series: dict[tuple[int, str], list[float]] = {}
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._plugin_names: dict[int, str] = {}
         r.register(_PoolCollector(snapshot))
 
@@ -208,6 +213,17 @@ class GatewayMetrics:
         """Export the plugins' counters and name their hook timings (once, at build)."""
         self._plugin_names = {id(p): name for name, p in plugins.items()}
         self.registry.register(PluginCounters(plugins))
+
+    def child(self, metric: Counter | Histogram, *values: str) -> Any:
+        """``metric.labels(*values)``, memoised (``labels`` validates and locks on every call:
+        a few per request). At most :data:`MAX_CHILDREN` kept; past that, not memoised."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = metric.labels(*values)
+            if len(self._children) < MAX_CHILDREN:
+                self._children[key] = found
+        return found
 
     def observe_hook(self, plugin: object, hook: str, since: float) -> None:
         """One call of ``plugin``'s ``hook`` that began at ``since`` (``time.perf_counter``)."""
