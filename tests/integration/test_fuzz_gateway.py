@@ -22,9 +22,11 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from plugins.auth import hash_key, new_key
 from tests.integration.conftest import gateway_config, serve_gateway, sim_fleet
 from tests.servers import serve_asgi
 
@@ -206,6 +208,46 @@ def test_headers(gw: Served, path: str, headers: dict[str, str]) -> None:
     with httpx.Client(base_url=gw.gateway, timeout=30) as client:
         check_answer(path, client.post(path, content=raw, headers=headers), gw.engine, raw)
         serving(client)
+
+
+@pytest.fixture(scope="module")
+def keyed(loop: Loop, tmp_path_factory: pytest.TempPathFactory) -> tuple[Served, str]:
+    """A gateway with API keys on (the api-keys plugin) and one valid admin key."""
+    key = new_key()
+    path = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    path.write_text(yaml.safe_dump({"keys": [
+        {"id": "k1", "tenant": "acme", "sha256": hash_key(key), "admin": True}]}))
+
+    async def start() -> Served:
+        sims = await loop.stack.enter_async_context(sim_fleet(1))
+        data = gateway_config([sims[0].url], pool={"breaker_failures": 10**6})
+        data["plugins"] = [{"type": "api-keys", "params": {"file": str(path)}}, *data["plugins"]]
+        _, url = await loop.stack.enter_async_context(serve_gateway(data))
+        return Served(url, sims[0].url)
+    return loop.run(start()), key
+
+
+@given(path=st.sampled_from([*sorted(VALID), "/health", "/v1/models"]), data=st.data(),
+       headers=st.dictionaries(HEADER_NAMES, HEADER_TEXT, max_size=3))
+@FUZZ
+def test_auth_headers(keyed: tuple[Served, str], path: str, data: st.DataObject,
+                      headers: dict[str, str]) -> None:
+    served, key = keyed
+    name = data.draw(st.sampled_from(["authorization", "x-api-key"]))
+    value = data.draw(st.sampled_from([f"Bearer {key}", key, f"Bearer {key[:-1]}", "Bearer",
+                                       f"bearer  {key}", f"Basic {key}"]) | HEADER_TEXT)
+    headers = {**headers, name: value}
+    with httpx.Client(base_url=served.gateway, timeout=30) as client:
+        raw = json.dumps(VALID[path]).encode() if path in VALID else b""
+        if path in VALID:
+            resp = client.post(path, content=raw, headers=headers)
+        else:
+            resp = client.get(path, headers=headers)
+        if path == "/health":
+            assert resp.status_code == 200 and "engines" in resp.json()
+        else:
+            check_answer(path, resp, served.engine, raw)
+        assert client.get("/health").status_code == 200
 
 
 @given(method=st.sampled_from(["GET", "POST", "DELETE", "PUT", "PATCH"]),
