@@ -278,7 +278,7 @@ def fake_engine(script: Script) -> Callable[..., Coroutine[Any, Any, None]]:
         path = scope["path"]
         while (await receive()).get("more_body"):
             pass
-        if path != "/v1/chat/completions":
+        if scope["method"] != "POST":
             body = b'{"data": [{"id": "sim-model", "object": "model"}]}' \
                 if path == "/v1/models" else b"{}"
             await send({"type": "http.response.start", "status": 200,
@@ -308,8 +308,18 @@ def faked(loop: Loop) -> tuple[str, Script]:
 
 CHUNK = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "sim-model",
          "choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]}
+MESSAGE_EVENTS = [b'event: message_start\ndata: {"type": "message_start", "message": {"id": "m", '
+                  b'"type": "message", "role": "assistant", "content": [], "model": "sim-model", '
+                  b'"usage": {"input_tokens": 1, "output_tokens": 0}}}\n\n',
+                  b'event: message_delta\ndata: {"type": "message_delta", "delta": {"stop_reason": '
+                  b'"end_turn"}, "usage": {"output_tokens": 1}}\n\n',
+                  b'event: message_stop\ndata: {"type": "message_stop"}\n\n']
+RESPONSE_EVENTS = [b'event: response.completed\ndata: {"type": "response.completed", "response": '
+                   b'{"id": "r", "object": "response", "status": "completed", "output": [], '
+                   b'"usage": {"input_tokens": 1, "output_tokens": 1, "total_tokens": 2}}}\n\n']
 sse_events = st.one_of(
     st.just(b"data: " + json.dumps(CHUNK).encode() + b"\n\n"),
+    st.sampled_from(MESSAGE_EVENTS + RESPONSE_EVENTS),
     st.just(b"data: [DONE]\n\n"),
     json_values.map(lambda v: b"data: " + json.dumps(v).encode() + b"\n\n"),
     st.binary(max_size=40),
@@ -317,19 +327,49 @@ sse_events = st.one_of(
 )
 
 
-@given(status=st.sampled_from([200, 200, 200, 400, 404, 429, 500, 503]),
+@given(path=st.sampled_from(["/v1/chat/completions", "/v1/messages", "/v1/responses"]),
+       status=st.sampled_from([200, 200, 200, 400, 404, 429, 500, 503]),
        content_type=st.sampled_from(["text/event-stream", "application/json", "text/plain"]),
        parts=st.lists(sse_events, max_size=6), stream=st.booleans())
 @FUZZ
-def test_engine_answers(faked: tuple[str, Script], status: int, content_type: str,
+def test_engine_answers(faked: tuple[str, Script], path: str, status: int, content_type: str,
                         parts: list[bytes], stream: bool) -> None:
     url, script = faked
     script.status, script.content_type, script.parts = status, content_type, parts
-    body = {**VALID["/v1/chat/completions"], "stream": stream}
+    body = {**VALID[path], "stream": stream}
     with httpx.Client(base_url=url, timeout=30) as client:
-        resp = client.post("/v1/chat/completions", json=body)
+        resp = client.post(path, json=body)
         if 400 <= resp.status_code < 500 and resp.status_code == status:
             return  # the engine's own 4xx, relayed with its body unchanged
-        check_answer("/v1/chat/completions", resp)
+        if path == "/v1/chat/completions" or "text/event-stream" not in \
+                resp.headers.get("content-type", "") or resp.status_code >= 400:
+            check_answer(path, resp)
+        else:
+            check_named_stream_end(resp.content, b"".join(parts))
         script.parts = []
         serving(client)
+
+
+def check_named_stream_end(raw: bytes, sent: bytes) -> None:
+    """A stream of named events (Anthropic, Responses) ends on an event boundary, with the
+    API's error event or with an event the engine sent."""
+    assert raw.endswith(b"\n\n"), raw[-200:]
+    last = raw.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
+    if last.startswith(b"event: error\n"):
+        payload = json.loads(last.split(b"\ndata: ", 1)[1])
+        assert payload["type"] == "error", payload
+        return
+    sent_events = {_norm(e) for e in sent.split(b"\n\n") if e.strip()}
+    assert _norm(last) in sent_events, (last, sent[-300:])
+
+
+def _norm(event: bytes) -> tuple[bytes, str]:
+    """An event's non-data lines and its data (JSON re-dumped with sorted keys when it is JSON:
+    the relay rewrites usage-carrying events compactly)."""
+    lines = event.strip(b"\n").split(b"\n")
+    head = b"\n".join(ln for ln in lines if not ln.startswith(b"data:"))
+    data = b"\n".join(ln[5:].strip() for ln in lines if ln.startswith(b"data:"))
+    try:
+        return head, json.dumps(json.loads(data), sort_keys=True)
+    except ValueError:
+        return head, data.decode("latin-1")
