@@ -14,7 +14,9 @@ class HealthFilter(Plugin, Filter):
     """``health-filter``: keeps the endpoints the pool considers healthy.
 
     Algorithm: keep ``ep.healthy``. Health comes from the pool's probes (``GET /health`` every
-    ``pool.health_interval_s``) and from connection errors on the request path. No params.
+    ``pool.health_interval_s``), from connection errors on the request path, and from the
+    engine's circuit breaker (middleware/breaker.py: open, or half-open with its one trial
+    request in flight, is not healthy). No params.
     If nothing is left the scheduler answers 503.
     """
 
