@@ -127,7 +127,7 @@ class Fleet:
                   for e, s in zip(self.ids, self.scheds, strict=True)}
         match = PrefixMatch(len(tokens), device, {}, True, frozenset(self.ids))
         if self.setup.aware and self.tier is not None:
-            match = fold_shared(match, self.tier.match_blocks(hashes) * TRACE_BLOCK)
+            match = fold_shared(match, self.tier.match_blocks(hashes) * TRACE_BLOCK, self.ids)
         state = CycleState()
         state.put(TOKEN_IDS, tokens)
         state.put(PREFIX_MATCH, match)

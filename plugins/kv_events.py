@@ -63,6 +63,7 @@ from plugins.kv_wire import (
     offset_port,
     topic_engine,
 )
+from plugins.shared_tier import holder_for
 
 __all__ = [
     "MAX_DP_RANK", "AllBlocksCleared", "BlockRemoved", "BlockStored", "EventBatch",
@@ -374,7 +375,10 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
         for event in batch.events:
             self._apply(holder, event)
 
-    def _apply(self, holder: str, event: KvEvent) -> None:
+    def _apply(self, publisher: str, event: KvEvent) -> None:
+        holder = publisher
+        if isinstance(event, BlockStored | BlockRemoved):  # a shared store's: its own holder
+            holder = holder_for(publisher, event.locality)
         if isinstance(event, BlockStored):
             extra = event.extra_keys
             if extra is None and event.lora_name:

@@ -5,11 +5,13 @@ Wire (vLLM ``vllm/distributed/kv_events.py``): ZMQ PUB multipart ``(topic, seq, 
 ``payload`` is msgpack of ``[ts, events, dp_rank]`` (a map with those names is accepted too).
 Events are tagged maps ``{"type": "BlockStored", ...}`` (newer engines) or positional arrays
 ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window]`` (older
-engines); ``BlockRemoved`` is ``[tag, block_hashes, medium, group_idx]``, ``AllBlocksCleared``
-has no fields. Only the first four ``BlockStored`` fields and the first ``BlockRemoved`` field
-are required; ``medium`` absent means GPU, ``group_idx`` absent means 0; unknown keys, trailing
-fields and event types are ignored (forward compatible).
+lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window, locality]``
+(older engines); ``BlockRemoved`` is ``[tag, block_hashes, medium, group_idx, locality]``,
+``AllBlocksCleared`` has no fields. Only the first four ``BlockStored`` fields and the first
+``BlockRemoved`` field are required; ``medium`` absent means GPU, ``group_idx`` absent means 0,
+``locality`` absent means unspecified (``REMOTE``: a store shared by the fleet,
+plugins/shared_tier.py); unknown keys, trailing fields and event types are ignored (forward
+compatible).
 
 Replay (vLLM's optional ``replay_endpoint``, a ZMQ ROUTER the engine binds): a client (DEALER)
 sends ``(b"", start_seq)`` with ``start_seq`` 8 bytes big-endian; the engine answers every
@@ -54,6 +56,8 @@ class BlockStored:
     group_idx: int = 0
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    #: vLLM 0.32: ``LOCAL`` / ``REMOTE`` relative to the publisher (``REMOTE``: a shared store).
+    locality: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +65,7 @@ class BlockRemoved:
     block_hashes: tuple[int | bytes, ...]
     medium: str | None = None
     group_idx: int = 0
+    locality: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +78,9 @@ KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 _STORED_FIELDS = (
     "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
     "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
+    "locality",
 )
-_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality")
 _FIELDS: Mapping[str, tuple[tuple[str, ...], int]] = {  # tag -> (field order, required count)
     "BlockStored": (_STORED_FIELDS, 4),
     "BlockRemoved": (_REMOVED_FIELDS, 1),
@@ -152,6 +158,7 @@ def _stored(f: Mapping[str, Any]) -> BlockStored:
         kv_cache_spec_sliding_window=_opt(
             f.get("kv_cache_spec_sliding_window"), int, "kv_cache_spec_sliding_window"
         ),
+        locality=_opt(f.get("locality"), str, "locality"),
     )
 
 
@@ -160,6 +167,7 @@ def _removed(f: Mapping[str, Any]) -> BlockRemoved:
         block_hashes=_hashes(f["block_hashes"]),
         medium=_opt(f.get("medium"), str, "medium"),
         group_idx=_opt(f.get("group_idx"), int, "group_idx") or 0,
+        locality=_opt(f.get("locality"), str, "locality"),
     )
 
 

@@ -70,6 +70,7 @@ from plugins.kv_health import IndexHealth
 from plugins.kv_index import HashingError, KvIndex, chain_hashes, engine_of, request_extra_keys
 from plugins.record_chains import ChainMemo
 from plugins.shared_record import RecordShare, start_record_share
+from plugins.shared_tier import SHARED_HOLDER, fold_shared
 from plugins.state import CACHE_SALT, PREFIX_MATCH, TOKEN_IDS, TOKEN_IDS_INEXACT, PrefixMatch
 
 log = logging.getLogger("kvgate.prefix_cache")
@@ -315,12 +316,15 @@ class PrefixCacheProducer(
         wanted = {ep.id for ep in eps}
         precise: Found = {}
         approx: Found = {}
+        shared = 0
         try:
             if self.events is not None and exact_ids:
                 hashes = self.prompt_hashes(req, tokens, self.events.block_sizes(self.p.group_idx),
                                             scoped=False)
                 state.put(_EVENT_HASHES, hashes)
                 precise = self._match(self.events, hashes, wanted)
+                shared = sum(self.events.match(hashes, self.clock(), self.p.group_idx,
+                                               [SHARED_HOLDER]).get(SHARED_HOLDER, (0, 0)))
             if self.record is not None:
                 # keyed by the injected salt when there is one (it is the tenant's or its
                 # sharing group's scope, as on the engines), else by tenant
@@ -331,7 +335,9 @@ class PrefixCacheProducer(
         except HashingError:
             return
         state.put(_PREDICTED, precise)
-        state.put(PREFIX_MATCH, self._combine(len(tokens), eps, precise, approx, exact_ids))
+        # the fleet's shared tier (KV events with locality REMOTE) is reachable from every engine
+        state.put(PREFIX_MATCH, fold_shared(
+            self._combine(len(tokens), eps, precise, approx, exact_ids), shared, wanted))
 
     def _combine(self, n: int, eps: Sequence[Endpoint], precise: Found, approx: Found,
                  exact_ids: bool) -> PrefixMatch:

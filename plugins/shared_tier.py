@@ -21,13 +21,33 @@ reachable everywhere - an engine's local copy is then worth only its margin over
 which lets load and cache pressure decide where a shared prefix is computed next. Without a
 tier (``shared_tokens == 0``) the match is returned unchanged: routing without a tier does not
 change. Pure functions, no state. Docs: docs/shared-tier.md.
+
+Where the gateway learns the tier: KV events with ``locality: "REMOTE"`` (vLLM 0.32's marker
+for a tier that is not the publisher's own) are filed by the ``kv-events`` subscriber under the
+index holder :data:`SHARED_HOLDER` instead of the publishing engine (:func:`holder_for`), and
+the ``prefix-cache-producer`` folds that holder's match into every engine's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from pydantic import BaseModel, ConfigDict, Field
 
+from middleware.types import EndpointId
 from plugins.state import PrefixMatch
+
+#: The KV index holder of the fleet's shared tier (not an engine id: ``@`` is not in engine
+#: names, so no engine's holder or topic can collide with it).
+SHARED_HOLDER = "@shared-tier"
+#: The ``locality`` value of a KV event about a store shared by the fleet.
+REMOTE = "REMOTE"
+
+
+def holder_for(holder: str, locality: str | None) -> str:
+    """The index holder of an event the publisher ``holder`` sent: the shared tier's for a
+    ``REMOTE`` block, else the publisher's own."""
+    return SHARED_HOLDER if locality == REMOTE else holder
 
 
 class TierLink(BaseModel):
@@ -51,12 +71,12 @@ class TierLink(BaseModel):
         return min(1.0, max(0.0, 1.0 - load / self.prefill_s_per_token))
 
 
-def fold_shared(match: PrefixMatch, shared_tokens: int) -> PrefixMatch:
+def fold_shared(match: PrefixMatch, shared_tokens: int,
+                engines: Iterable[EndpointId]) -> PrefixMatch:
     """``match`` with the shared tier's ``shared_tokens`` (leading prompt tokens held in the
-    tier) added to every engine's ``other`` beyond its ``device`` tokens."""
+    tier) added to the ``other`` of every one of ``engines`` beyond its ``device`` tokens."""
     if shared_tokens <= 0:
         return match
-    engines = set(match.device) | set(match.other)
     other = dict(match.other)
     for e in engines:
         other[e] = max(other.get(e, 0), shared_tokens - match.device.get(e, 0))

@@ -30,15 +30,15 @@ def _match() -> PrefixMatch:
 
 def test_no_tier_leaves_the_match_unchanged() -> None:
     m = _match()
-    assert fold_shared(m, 0) is m
+    assert fold_shared(m, 0, ["a", "b", "c"]) is m
 
 
 @pytest.mark.parametrize(("shared", "other"), [
-    (768, {"a": 256, "b": 768, "c": 768}),
-    (512, {"a": 0, "b": 512, "c": 512}),
-    (128, {"a": 0, "b": 128, "c": 256}),  # c's own slower tier holds more than the store
+    (768, {"a": 256, "b": 768, "c": 768, "d": 768}),
+    (512, {"a": 0, "b": 512, "c": 512, "d": 512}),
+    (128, {"a": 0, "b": 128, "c": 256, "d": 128}),  # c's own slower tier holds more
 ])
 def test_the_tier_counts_beyond_each_engines_gpu(shared: int, other: dict[str, int]) -> None:
-    folded = fold_shared(_match(), shared)
+    folded = fold_shared(_match(), shared, ["a", "b", "c", "d"])  # d: no match of its own
     assert folded.other == other
     assert folded.device == _match().device and folded.precise

@@ -1,0 +1,66 @@
+"""The live gateway and a shared KV tier: KV events with locality REMOTE are filed under the
+shared tier's holder, and the precise prefix match credits that tier to every engine; without
+such events nothing changes."""
+
+from __future__ import annotations
+
+from middleware.types import Api, CycleState
+from plugins.prefix_cache import PrefixCacheProducer
+from plugins.shared_tier import SHARED_HOLDER
+from plugins.state import PREFIX_MATCH, TOKEN_IDS, PrefixMatch
+from tests.unit.routing.helpers import (
+    Clock,
+    Lookup,
+    blocks,
+    endpoint,
+    frames,
+    request,
+    stored,
+    subscriber,
+)
+
+BS = 16
+EPS = [endpoint("e0"), endpoint("e1"), endpoint("e2")]
+
+
+async def _match(sub: object, tokens: list[int]) -> PrefixMatch:
+    producer = PrefixCacheProducer("pc", PrefixCacheProducer.Params(mode="precise"),
+                                   Lookup({"kv-events": sub}), clock=Clock())
+    state = CycleState()
+    state.put(TOKEN_IDS, tuple(tokens))
+    await producer.prepare(request(Api.COMPLETIONS), state, EPS)
+    return state.require(PREFIX_MATCH)
+
+
+async def test_remote_blocks_are_the_fleets_not_the_publishers() -> None:
+    sub = subscriber(["e0", "e1", "e2"])
+    toks = blocks(1, 4, BS)
+    sub.handle_frames(frames("kv@e0@m", 0, [
+        stored([1, 2], None, toks[: 2 * BS], BS),  # e0's GPU: 2 blocks
+        stored([1, 2, 3], None, toks[: 3 * BS], BS, medium="CPU", locality="REMOTE"),
+    ]))
+    assert sub.index.blocks_of(SHARED_HOLDER) == 3 and sub.index.blocks_of("e0") == 2
+    match = await _match(sub, [*toks, 7])
+    assert dict(match.device) == {"e0": 2 * BS}
+    assert dict(match.other) == {"e0": BS, "e1": 3 * BS, "e2": 3 * BS}
+
+
+async def test_remote_removals_leave_the_publishers_gpu_alone() -> None:
+    sub = subscriber(["e0", "e1"])
+    toks = blocks(2, 2, BS)
+    sub.handle_frames(frames("kv@e1@m", 0, [
+        stored([1, 2], None, toks, BS),
+        stored([1, 2], None, toks, BS, medium="CPU", locality="REMOTE"),
+        {"type": "BlockRemoved", "block_hashes": [1, 2], "medium": "CPU", "locality": "REMOTE"},
+    ]))
+    assert sub.index.blocks_of(SHARED_HOLDER) == 0 and sub.index.blocks_of("e1") == 2
+
+
+async def test_without_remote_events_the_match_is_unchanged() -> None:
+    sub = subscriber(["e0", "e1", "e2"])
+    toks = blocks(3, 2, BS)
+    # an engine's own CPU offload (no locality) stays that engine's slower tier
+    sub.handle_frames(frames("kv@e1@m", 0, [stored([1], None, toks[:BS], BS, medium="CPU")]))
+    match = await _match(sub, [*toks, 7])
+    assert dict(match.device) == {"e1": 0} and dict(match.other) == {"e1": BS}
+    assert sub.index.blocks_of(SHARED_HOLDER) == 0
