@@ -63,7 +63,7 @@ from plugins.kv_wire import (
     offset_port,
     topic_engine,
 )
-from plugins.shared_tier import holder_for
+from plugins.shared_tier import SHARED_HOLDER, holder_for
 
 __all__ = [
     "MAX_DP_RANK", "AllBlocksCleared", "BlockRemoved", "BlockStored", "EventBatch",
@@ -484,4 +484,7 @@ class _StatsCollector(Collector):
             yield CounterMetricFamily(f"kvgate_kv_index_{name}", f"KV index: {name}", value=value)
         yield GaugeMetricFamily("kvgate_kv_index_blocks", "(engine, block) pairs indexed",
                                 value=len(self._sub.index))
+        yield GaugeMetricFamily("kvgate_kv_index_shared_tier_blocks",
+                                "Blocks indexed in the fleet's shared tier (locality REMOTE)",
+                                value=self._sub.index.blocks_of(SHARED_HOLDER))
         yield from self._health.collect()

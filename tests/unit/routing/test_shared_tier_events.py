@@ -64,3 +64,14 @@ async def test_without_remote_events_the_match_is_unchanged() -> None:
     match = await _match(sub, [*toks, 7])
     assert dict(match.device) == {"e1": 0} and dict(match.other) == {"e1": BS}
     assert sub.index.blocks_of(SHARED_HOLDER) == 0
+
+
+def test_the_shared_tier_size_reaches_metrics() -> None:
+    sub = subscriber(["e0"])
+    sub.handle_frames(frames("kv@e0", 0, [
+        stored([1], None, [1, 2], 2),
+        stored([1, 2], None, [1, 2, 3, 4], 2, medium="CPU", locality="REMOTE"),
+    ]))
+    names = {m.name: m for m in sub.collector().collect()}
+    assert names["kvgate_kv_index_shared_tier_blocks"].samples[0].value == 2
+    assert names["kvgate_kv_index_blocks"].samples[0].value == 3
