@@ -3,9 +3,9 @@ Deployment's own command (``kvgate serve --config ... --redis $(KVGATE_REDIS_URL
 ConfigMap's ``kvgate.yaml`` (its api-keys plugin reads the mounted keys Secret) and a real
 redis-server. The
 engines' pod names do not resolve here, which is what a gateway sees before the engine pods
-exist: the readiness path (``/health``) must turn 503 once the gateway's probes have failed,
-while the liveness path (``/metrics``) keeps answering 200 (an engine outage must never restart
-gateways)."""
+exist: the readiness path (``/health``) must be 503 from the start (no probe has passed) and
+stay so once the gateway's probes have failed, while the liveness path (``/metrics``) keeps
+answering 200 (an engine outage must never restart gateways)."""
 
 from __future__ import annotations
 
@@ -50,14 +50,14 @@ def _command(container: dict[str, Any], env: dict[str, str], mounts: dict[str, P
     return out
 
 
-def _until_status(url: str, status: int, deadline: float) -> int:
-    got = 0
-    while time.monotonic() < deadline:
-        got = httpx.get(url, timeout=2).status_code
-        if got == status:
-            break
+def _until_unready(url: str, deadline: float) -> httpx.Response:
+    """``url`` until it answers 503 with no engine healthy left (the probes have failed)."""
+    while True:
+        resp = httpx.get(url, timeout=2)
+        unready = resp.status_code == 503 and resp.json()["engines_healthy"] == 0
+        if unready or time.monotonic() > deadline:
+            return resp
         time.sleep(0.2)
-    return got
 
 
 def test_rendered_gateway_command_serves_and_probes_mean_what_the_guide_says(
@@ -91,9 +91,13 @@ def test_rendered_gateway_command_serves_and_probes_mean_what_the_guide_says(
             f"{base}/metrics", log=tmp_path / "kvgate.log", cwd=tmp_path))
         readiness = container["readinessProbe"]["httpGet"]["path"]
         liveness = container["livenessProbe"]["httpGet"]["path"]
-        assert _until_status(base + readiness, 503, time.monotonic() + 30) == 503
-        body = httpx.get(base + readiness, timeout=2).json()
-        assert body["engines_healthy"] == 0 and body["engines_total"] == 4
+        # not ready from the start (no probe has passed: "starting"), then the probes fail
+        first = httpx.get(base + readiness, timeout=2)
+        assert first.status_code == 503 and first.json()["status"] == "starting"
+        resp = _until_unready(base + readiness, time.monotonic() + 30)
+        body = resp.json()
+        assert resp.status_code == 503 and body["engines_total"] == 4
+        assert body["engines_healthy"] == 0 and body["status"] == "starting"
         assert "svc.cluster.local" not in httpx.get(base + readiness, timeout=2).text
         assert httpx.get(base + liveness, timeout=2).status_code == 200
         chat = {"model": "Qwen/Qwen3-8B", "messages": [{"role": "user", "content": "hi"}]}
