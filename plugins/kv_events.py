@@ -155,6 +155,11 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
         replay_timeout_s: float = Field(2.0, gt=0)
         #: Batches held per (engine, rank) while its gap is replayed (past it: reset).
         replay_max_batches: int = Field(10_000, ge=1)
+        #: ``medium`` values (exact, case-sensitive) that mean the fleet's shared store even
+        #: without ``locality: REMOTE``: vLLM 0.32's Mooncake store connector publishes its
+        #: blocks as ``"cpu"`` (lower case; its own CPU offloading says ``"CPU"``). Empty: only
+        #: ``locality`` decides (docs/shared-tier.md).
+        shared_media: frozenset[str] = frozenset()
 
     example_params: ClassVar[Mapping[str, object]] = {"bind": "tcp://127.0.0.1:5557"}
 
@@ -378,7 +383,7 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
     def _apply(self, publisher: str, event: KvEvent) -> None:
         holder = publisher
         if isinstance(event, BlockStored | BlockRemoved):  # a shared store's: its own holder
-            holder = holder_for(publisher, event.locality)
+            holder = holder_for(publisher, event.locality, event.medium, self.p.shared_media)
         if isinstance(event, BlockStored):
             extra = event.extra_keys
             if extra is None and event.lora_name:

@@ -44,10 +44,13 @@ SHARED_HOLDER = "@shared-tier"
 REMOTE = "REMOTE"
 
 
-def holder_for(holder: str, locality: str | None) -> str:
+def holder_for(holder: str, locality: str | None, medium: str | None = None,
+               shared_media: frozenset[str] = frozenset()) -> str:
     """The index holder of an event the publisher ``holder`` sent: the shared tier's for a
-    ``REMOTE`` block, else the publisher's own."""
-    return SHARED_HOLDER if locality == REMOTE else holder
+    ``REMOTE`` block or one on a medium of ``shared_media``, else the publisher's own."""
+    if locality == REMOTE or (medium is not None and medium in shared_media):
+        return SHARED_HOLDER
+    return holder
 
 
 class TierLink(BaseModel):

@@ -75,3 +75,16 @@ def test_the_shared_tier_size_reaches_metrics() -> None:
     names = {m.name: m for m in sub.collector().collect()}
     assert names["kvgate_kv_index_shared_tier_blocks"].samples[0].value == 2
     assert names["kvgate_kv_index_blocks"].samples[0].value == 3
+
+
+async def test_a_configured_medium_means_the_shared_store() -> None:
+    """vLLM 0.32's Mooncake store connector publishes medium "cpu" without a locality."""
+    sub = subscriber(["e0", "e1"], shared_media=["cpu"])
+    toks = blocks(4, 2, BS)
+    sub.handle_frames(frames("kv@e0@m", 0, [
+        stored([1, 2], None, toks, BS, medium="cpu"),
+        stored([7], None, blocks(5, 1, BS), BS, medium="CPU"),  # e0's own CPU offload
+    ]))
+    assert sub.index.blocks_of(SHARED_HOLDER) == 2 and sub.index.blocks_of("e0") == 1
+    match = await _match(sub, [*toks, 7])
+    assert dict(match.other) == {"e0": 2 * BS, "e1": 2 * BS, "e2": 2 * BS}
