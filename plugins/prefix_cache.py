@@ -85,6 +85,8 @@ _EVENT_HASHES: StateKey[Hashes] = StateKey("prefix-cache-event-hashes")
 _RECORD_HASHES: StateKey[Hashes] = StateKey("prefix-cache-record-hashes")
 #: What the KV-event index predicted per engine (device, other), before this dispatch.
 _PREDICTED: StateKey[Found] = StateKey("prefix-cache-predicted")
+#: Leading prompt tokens in the fleet's shared tier (plugins/shared_tier.py), when any.
+_SHARED: StateKey[int] = StateKey("prefix-cache-shared-tier")
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,6 +337,8 @@ class PrefixCacheProducer(
         except HashingError:
             return
         state.put(_PREDICTED, precise)
+        if shared:
+            state.put(_SHARED, shared)
         # the fleet's shared tier (KV events with locality REMOTE) is reachable from every engine
         state.put(PREFIX_MATCH, fold_shared(
             self._combine(len(tokens), eps, precise, approx, exact_ids), shared, wanted))
@@ -383,9 +387,14 @@ class PrefixCacheProducer(
             if hashes is not None:
                 confirmed = self.events.confirmed(hashes, target, self.p.group_idx)
                 unlearned = self.events.unlearned(hashes, target, self.p.group_idx)
-            state.put(_CHECK, _Check(target, dev + oth, size, len(tokens), now,
-                                     inexact is not None, min(confirmed, dev + oth),
-                                     min(unlearned, dev + oth)))
+            # the engine loads the shared tier's prefix beyond its own, and reports it cached;
+            # the tier is known from (the store's) events, not learnt from usage
+            shared = state.get(_SHARED) or 0
+            predicted = max(dev + oth, shared)
+            confirmed, unlearned = max(confirmed, shared), max(unlearned, shared)
+            state.put(_CHECK, _Check(target, predicted, size, len(tokens), now,
+                                     inexact is not None, min(confirmed, predicted),
+                                     min(unlearned, predicted)))
 
     def _speculate(self, req: InferenceRequest, state: CycleState, ep: Endpoint,
                    tokens: Sequence[int], now: float) -> None:

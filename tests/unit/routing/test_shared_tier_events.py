@@ -4,7 +4,7 @@ such events nothing changes."""
 
 from __future__ import annotations
 
-from middleware.types import Api, CycleState
+from middleware.types import Api, CycleState, RoutingDecision, Usage
 from plugins.prefix_cache import PrefixCacheProducer
 from plugins.shared_tier import SHARED_HOLDER
 from plugins.state import PREFIX_MATCH, TOKEN_IDS, PrefixMatch
@@ -88,3 +88,27 @@ async def test_a_configured_medium_means_the_shared_store() -> None:
     assert sub.index.blocks_of(SHARED_HOLDER) == 2 and sub.index.blocks_of("e0") == 1
     match = await _match(sub, [*toks, 7])
     assert dict(match.other) == {"e0": 2 * BS, "e1": 2 * BS, "e2": 2 * BS}
+
+
+async def test_an_engine_loading_the_tier_is_predicted_right() -> None:
+    """The engine reports the tier's prefix as cached: the prediction check counts it, so a
+    shared tier never makes an engine's predictions look wrong (auto mode keeps it precise)."""
+    sub = subscriber(["e0", "e1"], prediction_window=10, prediction_min_checks=5)
+    producer = PrefixCacheProducer("pc", PrefixCacheProducer.Params(mode="auto"),
+                                   Lookup({"kv-events": sub}), clock=Clock())
+    eps = [endpoint("e0"), endpoint("e1")]
+    producer.on_endpoints_changed(eps, [])
+    toks = blocks(6, 3, BS)
+    sub.handle_frames(frames("kv@e0@m", 0, [
+        stored([1, 2, 3], None, toks, BS, medium="CPU", locality="REMOTE")]))
+    for _ in range(6):
+        state = CycleState()
+        state.put(TOKEN_IDS, (*toks, 7))
+        req = request(Api.COMPLETIONS)
+        await producer.prepare(req, state, eps)
+        await producer.before_dispatch(req, state, RoutingDecision(target=eps[1]))
+        await producer.on_usage(req, state, eps[1], Usage(3 * BS + 1, 1, 3 * BS))
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for m in sub.health_state.collector().collect() for s in m.samples}
+    assert samples[("kvgate_kv_predictions_total",
+                    (("engine", "e1"), ("result", "within_block")))] == 6
