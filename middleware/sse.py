@@ -20,6 +20,15 @@ _SEP = b"\n\n"
 _DONE = b"[DONE]"
 _DATA = b"data: "
 _DONE_EVENT = b"data: [DONE]\n\n"
+#: The largest incomplete event the relay holds [bytes]; past it the stream counts as broken.
+#: 16 MiB: the biggest legitimate event is a Responses ``response.completed``, which echoes the
+#: response object (output, instructions, tools: bounded by the request's 8 MiB
+#: ``server.max_body_bytes`` plus the output), so twice that default; a vLLM chunk is KiBs.
+MAX_EVENT_BYTES = 16 * 1024 * 1024
+
+
+class EventTooLarge(ValueError):
+    """An engine's SSE event grew past :data:`MAX_EVENT_BYTES` without ending."""
 
 #: Edits a usage-carrying event's data for the client (P/D: the prefill side's cache hit) and
 #: returns the usage the client and the hooks see.
@@ -30,16 +39,21 @@ class EventRelay:
     """Feed it upstream bytes; it returns the bytes to send to the client.
 
     ``usage`` is the tap's usage after ``adjust``; ``done`` whether ``data: [DONE]`` arrived;
-    ``events`` the data events relayed. Memory: at most one incomplete event (``pending``).
+    ``events`` the data events relayed. Memory: at most one incomplete event (``pending``), of
+    at most :data:`MAX_EVENT_BYTES` (past it ``overflow``, and the next ``feed`` raises
+    :class:`EventTooLarge`: the stream is broken).
     """
 
-    __slots__ = ("_adjust", "_markers", "_pending", "_seen", "done", "events", "tap", "usage")
+    __slots__ = ("_adjust", "_markers", "_pending", "_seen", "done", "events", "overflow", "tap",
+                 "usage")
 
     def __init__(self, tap: UsageTap, adjust: Adjust | None = None) -> None:
         self.tap = tap
         self._markers: tuple[bytes, ...] | None = getattr(tap, "markers", None)
         self._adjust = adjust
         self._pending = b""
+        #: An incomplete event outgrew MAX_EVENT_BYTES (dropped): the stream is broken.
+        self.overflow = False
         self._seen: Usage | None = None
         self.usage: Usage | None = None
         self.done = False
@@ -52,6 +66,8 @@ class EventRelay:
     def feed(self, chunk: bytes) -> bytes:
         if self.done:
             return b""  # nothing after the end marker reaches the client
+        if self.overflow:
+            raise EventTooLarge(f"engine event over {MAX_EVENT_BYTES} bytes without its end")
         data = self._pending + chunk if self._pending else chunk
         if _DONE in data:  # cheap guard; the exact end is looked for only then
             end = _done_end(data)
@@ -63,13 +79,21 @@ class EventRelay:
             return data
         cut = data.rfind(_SEP)
         if cut < 0:
-            self._pending = data
+            self._pending = self._bounded(data)
             return b""
-        complete, self._pending = data[: cut + 2], data[cut + 2 :]
+        complete, self._pending = data[: cut + 2], self._bounded(data[cut + 2 :])
         if not self._marked(complete):
             self._count(complete)
             return complete
         return b"".join(self._event(e) for e in complete.split(_SEP)[:-1])
+
+    def _bounded(self, pending: bytes) -> bytes:
+        """``pending``, unless it outgrew the bound: then dropped, and the next ``feed`` raises
+        :class:`EventTooLarge` (the whole events before it are still relayed)."""
+        if len(pending) <= MAX_EVENT_BYTES:
+            return pending
+        self.overflow = True
+        return b""
 
     def _count(self, data: bytes) -> None:
         self.events += data.count(_DATA)

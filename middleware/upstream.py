@@ -20,7 +20,7 @@ from middleware.context import Attempt
 from middleware.errors import UpstreamError, UpstreamHTTPError
 from middleware.h1client import H1Client, H1Response
 from middleware.redact import scrub
-from middleware.sse import EventRelay
+from middleware.sse import EventRelay, EventTooLarge
 
 #: The engine hop's HTTP client (the lean one for ``http://`` engines) and its response.
 Client = aiohttp.ClientSession | H1Client
@@ -128,12 +128,15 @@ async def relay_stream(
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
             chunk = await resp.content.readany()
-    except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError) as exc:
+    except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError,
+            EventTooLarge) as exc:
         attempt.broken = f"engine stream broke: {type(exc).__name__}"
     finally:
         resp.close()
         attempt.usage, attempt.events = relay.usage, relay.events
     complete = relay.done if getattr(tap, "sse_done", False) else (relay.done or tap.final)
+    if relay.overflow and attempt.broken is None:
+        attempt.broken = "engine stream broke: EventTooLarge"
     if attempt.broken is None and not complete:
         attempt.broken = "engine stream ended before its end"
     tail = relay.flush() if attempt.broken is None else stream_error(attempt.broken)

@@ -21,8 +21,9 @@ import pytest
 
 from engines.ports import free_port
 from engines.sim.faults import FaultSpec
+from middleware import sse
 from tests.integration.conftest import gateway, gateway_config, serve_gateway, sim_fleet
-from tests.servers import wait_ready
+from tests.servers import serve_asgi, wait_ready
 
 CHAT = {"model": "sim-model", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
 #: No probe runs during a test unless it calls ``probe_all`` itself.
@@ -180,3 +181,35 @@ async def test_200_concurrent_streams_all_complete() -> None:
         assert all(events[-1] == b"[DONE]" and len(events) > 2 for _, events in results)
         assert {engine for engine, _ in results} == {"sim-0", "sim-1"}
         assert [ep.in_flight_requests for ep in app.pool.snapshot()] == [0, 0]
+
+
+async def test_an_engine_event_that_never_ends_breaks_the_stream(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sse, "MAX_EVENT_BYTES", 4096)  # 16 MiB in production
+
+    async def engine(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        while (await receive()).get("more_body"):
+            pass
+        stream = scope["method"] == "POST"
+        ctype = b"text/event-stream" if stream else b"application/json"
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", ctype)]})
+        if not stream:
+            await send({"type": "http.response.body", "body": b'{"data": []}'})
+            return
+        await send({"type": "http.response.body", "more_body": True,
+                    "body": b'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n'})
+        for _ in range(4):
+            await send({"type": "http.response.body", "body": b"x" * 2000, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    async with serve_asgi(engine, "off") as url:
+        data = gateway_config([url], pool={"startup_probe_timeout_s": 0})
+        data["engines"][0]["models"] = ["sim-model"]
+        async with gateway(data) as (_, client):
+            resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert resp.status_code == 200
+    events = resp.content.rstrip(b"\n").split(b"\n\n")
+    assert len(events) == 2 and b"x" * 10 not in resp.content
+    error = orjson.loads(events[-1].removeprefix(b"data: "))["error"]
+    assert "EventTooLarge" in error["message"]

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from apis.openai import OpenAITap
+from middleware import sse
 from middleware.sse import EventRelay, error_event
 from middleware.types import Usage
 
@@ -124,3 +125,18 @@ def test_a_partial_last_event_is_terminated() -> None:
     assert tap.feed(CHUNK1 + b"event: x\ndata: {}") == CHUNK1
     assert tap.flush() == b"event: x\ndata: {}\n\n"
     assert tap.flush() == b""
+
+
+@pytest.mark.parametrize("size", [7, 100, 5000])
+def test_an_event_that_never_ends_is_bounded(monkeypatch: pytest.MonkeyPatch, size: int) -> None:
+    monkeypatch.setattr(sse, "MAX_EVENT_BYTES", 1000)
+    tap = SSETap(strip_usage=False)
+    assert tap.feed(CHUNK1 + b"data: xx") == CHUNK1  # the whole events before it are relayed
+    chunks = _split(b"x" * 2000, size)
+    fed = 0
+    while 8 + sum(map(len, chunks[: fed + 1])) <= 1000:  # under the bound: held
+        assert tap.feed(chunks[fed]) == b""
+        fed += 1
+    assert tap.feed(chunks[fed]) == b"" and tap.overflow  # dropped; the next feed raises
+    with pytest.raises(sse.EventTooLarge):
+        tap.feed(b"\n\n")
