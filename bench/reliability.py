@@ -3,7 +3,7 @@
 Scenarios (``--scenarios``, default all; docs/reliability.md has the figures):
 
 * ``load``: ``--streams`` (1,000) concurrent streaming clients through one ``kvgate serve``
-  (the quick start, ``--engine`` per simulated engine), ``--rounds`` times. Reports errors,
+  (the quick start, ``--engine`` per simulated engine), ``--rounds`` (3) times. Reports errors,
   incomplete streams, TTFT p50/p99, the gateway's RSS before, at its peak and after each round
   (the gateway's structures are bounded: RSS after round 2 should be that after round 1), and
   its in-flight gauges after (0: every lease released).
@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--streams", type=int, default=1000)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--time-scale", type=float, default=1.0,
