@@ -8,6 +8,7 @@ byte-aligned chunks so that a GPU decodes every chunk in its own lane. Modules:
 * :mod:`engines.kvcodec.container`: the per-block byte format (header, table, chunk offsets).
 * :mod:`engines.kvcodec.reference`: the torch reference (CPU or any torch device).
 * :mod:`engines.kvcodec.kernels`: the Triton kernels (GPU; CPU through ``TRITON_INTERPRET=1``).
+* :mod:`engines.kvcodec.aot`: compile the kernels for a CUDA target without a GPU.
 * :mod:`engines.kvcodec.codec`: encode/decode of a batch of blocks with either backend.
 * :mod:`engines.kvcodec.store`: a Mooncake Store put/get wrapper that encodes on put.
 * :mod:`engines.kvcodec.realkv` and :mod:`engines.kvcodec.bench`: real K/V and the benchmark.

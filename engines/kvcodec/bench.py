@@ -8,7 +8,9 @@ the Triton kernels (through the interpreter when there is no GPU) and check that
 reference's bytes and decode them bit-exactly; run the edge cases
 (:mod:`engines.kvcodec.checks`). With a CUDA GPU, time the Triton decode of every block
 (``gpu_decode_gbps``: decoded BF16 bytes per second, kernel launches only, median of
-``--repeats``); without one it is ``null``. The last stdout line is one JSON object.
+``--repeats``); without one it is ``null``. ``triton_compile``: the kernels compiled ahead of
+time for sm_90 (:mod:`engines.kvcodec.aot`), with or without a GPU. The last stdout line is
+one JSON object.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any
@@ -92,6 +95,15 @@ def _gpu_decode_gbps(blocks: Tensor, params: Any, repeats: int) -> float:
     return float(2 * batch.sm.numel() / statistics.median(times) / 1e9)
 
 
+def _aot() -> dict[str, Any]:
+    """engines.kvcodec.aot in a child without the interpreter (it replaces the compiler)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "engines.kvcodec.aot"], env=env,
+                          stdout=subprocess.PIPE, text=True, timeout=600, check=True)
+    result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    return result
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from engines.kvcodec import realkv
     from engines.kvcodec.checks import check_case
@@ -122,6 +134,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "per_kind": {kind: _sum_kind(per_tensor, kind) for kind in ("K", "V")},
         "per_tensor": per_tensor,
         "triton": {**triton, "mode": "gpu" if gpu else "interpreter (TRITON_INTERPRET=1)"},
+        "triton_compile": _aot(),
         "edge_cases": edges,
         "gpu": torch.cuda.get_device_name() if gpu else None,
         "gpu_decode_gbps": _gpu_decode_gbps(all_blocks, params, args.repeats) if gpu else None,

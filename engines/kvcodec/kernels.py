@@ -13,13 +13,15 @@ Same contract and bytes as :mod:`engines.kvcodec.reference`:
   The table (4096 int32 at ``max_len = 12``) is shared by all lanes of a block and stays in
   cache; the loop is a dependent chain per lane, so throughput comes from many lanes (chunks).
 
+Arguments are annotated ``tl.tensor`` (pointers and scalars) or ``tl.constexpr``: Triton's
+code generator evaluates annotations and refuses a global such as ``typing.Any`` (the
+interpreter does not; :mod:`engines.kvcodec.aot` compiles the kernels to catch this).
+
 ``LANES = 64`` and ``ELEMS = 1024`` are ordinary Triton block sizes (powers of two, a few
 warps); they change the schedule, never the bytes.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import triton
@@ -31,7 +33,7 @@ ELEMS = 1024
 
 
 @triton.jit  # type: ignore[untyped-decorator]
-def _split_kernel(words_ptr: Any, sm_ptr: Any, exp_ptr: Any, total: Any,
+def _split_kernel(words_ptr: tl.tensor, sm_ptr: tl.tensor, exp_ptr: tl.tensor, total: tl.tensor,
                   elems: tl.constexpr) -> None:
     at = tl.program_id(0).to(tl.int64) * elems + tl.arange(0, elems)
     ok = at < total
@@ -41,7 +43,7 @@ def _split_kernel(words_ptr: Any, sm_ptr: Any, exp_ptr: Any, total: Any,
 
 
 @triton.jit  # type: ignore[untyped-decorator]
-def _merge_kernel(sm_ptr: Any, exp_ptr: Any, words_ptr: Any, total: Any,
+def _merge_kernel(sm_ptr: tl.tensor, exp_ptr: tl.tensor, words_ptr: tl.tensor, total: tl.tensor,
                   elems: tl.constexpr) -> None:
     at = tl.program_id(0).to(tl.int64) * elems + tl.arange(0, elems)
     ok = at < total
@@ -52,8 +54,9 @@ def _merge_kernel(sm_ptr: Any, exp_ptr: Any, words_ptr: Any, total: Any,
 
 
 @triton.jit  # type: ignore[untyped-decorator]
-def _encode_kernel(exp_ptr: Any, codes_ptr: Any, lens_ptr: Any, out_ptr: Any, nbytes_ptr: Any,
-                   n: Any, n_chunks: Any, n_lanes: Any, cap: Any,
+def _encode_kernel(exp_ptr: tl.tensor, codes_ptr: tl.tensor, lens_ptr: tl.tensor,
+                   out_ptr: tl.tensor, nbytes_ptr: tl.tensor, n: tl.tensor,
+                   n_chunks: tl.tensor, n_lanes: tl.tensor, cap: tl.tensor,
                    chunk: tl.constexpr, lanes: tl.constexpr) -> None:
     lane = tl.program_id(0) * lanes + tl.arange(0, lanes)
     ok = lane < n_lanes
@@ -87,8 +90,8 @@ def _encode_kernel(exp_ptr: Any, codes_ptr: Any, lens_ptr: Any, out_ptr: Any, nb
 
 
 @triton.jit  # type: ignore[untyped-decorator]
-def _decode_kernel(stream_ptr: Any, starts_ptr: Any, luts_ptr: Any, out_ptr: Any,
-                   n: Any, n_chunks: Any, n_lanes: Any,
+def _decode_kernel(stream_ptr: tl.tensor, starts_ptr: tl.tensor, luts_ptr: tl.tensor,
+                   out_ptr: tl.tensor, n: tl.tensor, n_chunks: tl.tensor, n_lanes: tl.tensor,
                    chunk: tl.constexpr, max_len: tl.constexpr, lanes: tl.constexpr) -> None:
     lane = tl.program_id(0) * lanes + tl.arange(0, lanes)
     ok = lane < n_lanes

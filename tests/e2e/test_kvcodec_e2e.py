@@ -73,6 +73,17 @@ def test_edge_cases_agree_byte_for_byte_and_round_trip(
         assert row["bytes"] == row["raw_bytes"] + 16 * len(row["modes"])
 
 
+def test_kernels_compile_for_an_h100_without_one(report: dict[str, Any]) -> None:
+    """The interpreter accepts code the compiler rejects: Triton's full pipeline down to a cubin
+    for sm_90 must succeed for every kernel (engines.kvcodec.aot)."""
+    aot = report["triton_compile"]
+    assert aot["arch"] == "sm_90"
+    assert set(aot["kernels"]) == {"split", "merge", "encode", "decode"}
+    for name, row in aot["kernels"].items():
+        assert row["ok"] is True, (name, row.get("error"))
+        assert row["ptx_bytes"] > 0 and row["cubin_bytes"] > 0, name
+
+
 def test_gpu_decode_speed_is_null_without_a_gpu(report: dict[str, Any]) -> None:
     if report["gpu"] is None:
         assert report["gpu_decode_gbps"] is None
