@@ -67,6 +67,7 @@ from middleware.types import (
     StateKey,
     add_response_header,
 )
+from plugins.redis_retry import stale_connection_retry
 from plugins.state import SESSION_KEY, SESSION_PIN
 
 log = logging.getLogger("kvgate.plugins.session_affinity")
@@ -515,11 +516,9 @@ def _connect(url: str, timeout_s: float) -> RedisLike:
     Connecting is lazy: nothing happens on the network until the first command.
     """
     from redis.asyncio import Redis
-    from redis.asyncio.retry import Retry
-    from redis.backoff import NoBackoff
 
     client: RedisLike = Redis.from_url(
         url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0),
+        retry=stale_connection_retry(),
     )
     return client

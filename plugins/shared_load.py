@@ -44,6 +44,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from middleware.types import EndpointId
+from plugins.redis_retry import stale_connection_retry
 
 if TYPE_CHECKING:
     from plugins.token_load import EngineLoad
@@ -265,12 +266,10 @@ def _redis_errors() -> tuple[type[BaseException], ...]:
 def connect(url: str, timeout_s: float) -> RedisLoadClient:
     """A lazily connecting Redis client that does not retry (the next round is the retry)."""
     from redis.asyncio import Redis
-    from redis.asyncio.retry import Retry
-    from redis.backoff import NoBackoff
 
     client: RedisLoadClient = Redis.from_url(
         url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0),
+        retry=stale_connection_retry(),
     )
     return client
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from middleware.types import EndpointId
+from plugins.redis_retry import stale_connection_retry
 from plugins.shared_load import replica_id
 
 log = logging.getLogger("kvgate.plugins.shared_record")
@@ -209,10 +210,8 @@ def connect_pair(url: str, timeout_s: float) -> tuple[Any, Any]:
     """A publishing client (bounded calls) and a subscribing one (no read timeout: it waits
     for messages), both without retries."""
     from redis.asyncio import Redis
-    from redis.asyncio.retry import Retry
-    from redis.backoff import NoBackoff
 
     pub = Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                         retry=Retry(NoBackoff(), 0))
-    sub = Redis.from_url(url, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+                         retry=stale_connection_retry())
+    sub = Redis.from_url(url, socket_connect_timeout=timeout_s, retry=stale_connection_retry())
     return pub, sub

@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Sequence
 from typing import Any, Protocol
 
 from plugins.limits.model import Ask, Quota, Settlement, Verdict
+from plugins.redis_retry import stale_connection_retry
 
 ADMIT_LUA = """
 local now, rid, deadline, n, bttl = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]),
@@ -237,10 +238,8 @@ def connect(url: str, timeout_s: float) -> ScriptClient:
     """A client that does not retry (the caller's breaker decides when to try again);
     connecting is lazy."""
     from redis.asyncio import Redis
-    from redis.asyncio.retry import Retry
-    from redis.backoff import NoBackoff
 
     client: ScriptClient = Redis.from_url(
         url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0))
+        retry=stale_connection_retry())
     return client
