@@ -201,8 +201,13 @@ class KvPlacementScorer(
     * ``default_capacity_tokens`` [tokens] — 400,000 ≈ the KV of an 8B model on one H100
       (../shared/design/H100_TIMING.md); used until an engine reports its capacity.
     * ``capacity_tokens`` — per engine name, overrides what the engine reports.
-    * ``other_tier_weight`` [0..1] — a token held on a slower tier counts this much as held
-      (0.5, as prefix-cache-scorer: copying it up costs 10-70 % of recomputing it).
+    * ``other_tier_weight`` [0..1] — a token held on a slower tier (the fleet's shared tier,
+      an engine's CPU offload) counts this much as held: 0.84, the credit
+      ``1 - load/prefill per token`` of plugins/shared_tier.py for the calibrated 8B model over
+      a 25 GB/s RDMA link (a local PCIe offload loads faster, so it is worth at least that).
+      Measured in bench/tier_sim.py (docs/shared-tier.md): at 0.5 tier-aware routing gained
+      half or less of what it gains at 0.84. Set it from ``TierLink(...).credit`` for another
+      model or link.
     * ``load`` — name of the token-load-scorer whose in-flight work is ``queue``; ``None``: the
       pool's in-flight request tokens.
     * ``default_output_tokens``, ``max_output_tokens`` [tokens] — expected output when the
@@ -222,7 +227,7 @@ class KvPlacementScorer(
         pin_tokens: int = Field(256, ge=0)
         default_capacity_tokens: int = Field(400_000, ge=1)
         capacity_tokens: dict[str, int] = Field(default_factory=dict)
-        other_tier_weight: float = Field(0.5, ge=0.0, le=1.0)
+        other_tier_weight: float = Field(0.84, ge=0.0, le=1.0)
         load: str | None = None
         default_output_tokens: int = Field(256, ge=0)
         max_output_tokens: int = Field(4096, ge=1)

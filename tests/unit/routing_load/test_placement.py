@@ -210,3 +210,11 @@ def test_load_must_name_a_token_load_scorer() -> None:
 def _run(coro: Any) -> None:
     import asyncio
     asyncio.run(coro)
+
+
+def test_default_tier_weight_is_the_derived_shared_tier_credit() -> None:
+    """The default ``other_tier_weight`` is plugins/shared_tier.py's credit for its default
+    link and model (docs/shared-tier.md), not a convention."""
+    from plugins.shared_tier import TierLink
+
+    assert KvPlacementScorer.Params().other_tier_weight == round(TierLink().credit, 2)
