@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any, cast
@@ -42,6 +43,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 import httptools
+
+log = logging.getLogger("kvgate.h1client")
 
 #: Unread bytes of a streamed response above which the socket is not read (64 KiB: several
 #: SSE events of a fast engine; the relay takes them all at once).
@@ -174,19 +177,23 @@ class _Conn(asyncio.Protocol):
         self.response: H1Response | None = None
         self.headers_ready: asyncio.Future[H1Response] | None = None
         self._names: dict[str, str] = {}
-        self._name = ""
         self.idle_since = 0.0
         self.closed = False
         self.keep_alive = True
         self._paused = False
         self._timer: asyncio.TimerHandle | None = None
         self._released = True
+        #: Exchanges started on this connection; whether the current one is not the first
+        #: (``reused``) and whether any byte of its answer arrived (``heard``).
+        self.exchanges = 0
+        self.reused = self.heard = False
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
+        self.heard = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -237,6 +244,8 @@ class _Conn(asyncio.Protocol):
     def start(self, head: bytes, body: bytes | None, deadline: float) -> asyncio.Future[H1Response]:
         """Send one request; the future resolves with the response's head."""
         assert self.transport is not None
+        self.reused, self.heard = self.exchanges > 0, False
+        self.exchanges += 1
         self._released = False
         self.response = None
         self.headers_ready = self.loop.create_future()
@@ -322,11 +331,13 @@ class _HostPool:
             conn.abort()
         return None
 
-    async def acquire(self, loop: asyncio.AbstractEventLoop, connect_s: float | None) -> _Conn:
+    async def acquire(self, loop: asyncio.AbstractEventLoop, connect_s: float | None,
+                      fresh: bool = False) -> _Conn:
+        """A connection in a free slot (waiting for one): an idle one unless ``fresh``."""
         if self.busy >= self.limit:
             await self._wait_slot(loop, connect_s)
         self.busy += 1
-        conn = self._fresh_idle()
+        conn = None if fresh else self._fresh_idle()
         if conn is not None:
             return conn
         try:
@@ -419,10 +430,16 @@ class H1Client:
                 conn = await pool.acquire(loop, timeout.connect)
         head = _head(method, target, host_header, headers, len(data) if data else 0)
         try:
-            return await conn.start(head, data, deadline)
-        except BaseException:
-            conn.done(reuse=False)
-            raise
+            return await _exchange(conn, head, data, deadline)
+        except H1ConnectionError:
+            if not conn.reused or conn.heard:
+                raise
+        # the engine closed a kept-alive connection as this request went out on it, before
+        # answering a byte (its idle timeout raced ours): once more on a new connection
+        log.debug("engine %s closed an idle connection under a request: sent again", hostport)
+        async with asyncio.timeout_at(deadline):
+            conn = await pool.acquire(loop, timeout.connect, fresh=True)
+        return await _exchange(conn, head, data, deadline)
 
     def _target(self, url: str) -> tuple[str, bytes, bytes]:
         """``(host:port, Host header, request target)`` of ``url`` (memoised: engines' URLs
@@ -455,6 +472,15 @@ class H1Client:
         """Close every idle connection (those in use close when their exchange ends)."""
         for pool in self._pools.values():
             pool.close()
+
+
+async def _exchange(conn: _Conn, head: bytes, data: bytes | None,
+                    deadline: float) -> H1Response:
+    try:
+        return await conn.start(head, data, deadline)
+    except BaseException:
+        conn.done(reuse=False)
+        raise
 
 
 def _head(method: str, target: bytes, host: bytes, headers: Mapping[str, str],

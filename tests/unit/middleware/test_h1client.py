@@ -149,6 +149,28 @@ async def test_failures(handler: Handler, error: type[BaseException]) -> None:
         assert client.stats()[server.url.removeprefix("http://")] == {"busy": 0, "idle": 0}
 
 
+async def test_an_idle_connection_closed_under_a_request_is_retried_once() -> None:
+    """The engine closes a kept-alive connection as the next request arrives on it (its idle
+    timeout racing ours): that request goes out again on a new connection."""
+    seen: dict[int, int] = {}
+
+    async def first_only(_req: bytes, writer: asyncio.StreamWriter) -> None:
+        n = seen[id(writer)] = seen.get(id(writer), 0) + 1
+        if n > 1:
+            writer.close()
+            return
+        await _fixed(b"ok")(_req, writer)
+
+    client = H1Client(limit_per_host=2)
+    async with serving(first_only) as server:
+        for _ in range(3):
+            resp = await client.request("POST", server.url + "/", data=b"x", headers={},
+                                        timeout=TIMEOUT)
+            assert await resp.read() == b"ok"
+        assert server.connections == 3
+        assert len(server.requests) == 5  # 3 answered, 2 closed under the request
+
+
 async def test_unreachable_engine_is_a_connection_error() -> None:
     async with serving(_silent) as server:
         url = server.url  # closed on exit: nothing listens there any more
