@@ -9,19 +9,9 @@ import pytest
 import yaml
 
 from middleware import cli
-from middleware.config import GatewayConfig
+from tests.cli_helpers import served_config
 
-
-def _serve(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> GatewayConfig:
-    seen: list[GatewayConfig] = []
-
-    def fake_serve(config: GatewayConfig, workers: int = 1) -> int:
-        seen.append(config)
-        return 0
-
-    monkeypatch.setattr(cli, "serve_config", fake_serve)
-    assert cli.main(["serve", *argv]) == 0
-    return seen[0]
+_serve = served_config
 
 
 def test_quick_start_without_the_flag_does_not_trace(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,22 +5,12 @@ from __future__ import annotations
 import pytest
 
 from middleware import cli
-from middleware.config import GatewayConfig
 from middleware.pipeline import build_pipeline
 from middleware.registry import Registry
 from middleware.types import Role
+from tests.cli_helpers import served_config
 
-
-def _serve(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> GatewayConfig:
-    seen: list[GatewayConfig] = []
-
-    def fake_serve(config: GatewayConfig, workers: int = 1) -> int:
-        seen.append(config)
-        return 0
-
-    monkeypatch.setattr(cli, "serve_config", fake_serve)
-    assert cli.main(["serve", *argv]) == 0
-    return seen[0]
+_serve = served_config
 
 
 @pytest.mark.parametrize(("flags", "connector"), [
