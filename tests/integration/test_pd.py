@@ -43,7 +43,10 @@ async def pd_fleet(
     protocol: str, prefill: int = 1, decode: int = 1, reports: str = "transferred",
     always_prefill: bool = True, **gw_extra: Any,
 ) -> AsyncIterator[tuple[list[RunningSim], list[RunningSim], KvgateApp, httpx.AsyncClient]]:
-    pd = PdSimConfig(decode_reports=reports, bootstrap_port=0)
+    # The simulated decode keeps waiting for a cancelled concurrent prefill's KV after the
+    # gateway has left (it does not abort on disconnect): 5 s instead of vLLM's ~30 s lease
+    # bounds that wait, which a fallback test would otherwise sit out (prefills here take ms).
+    pd = PdSimConfig(decode_reports=reports, bootstrap_port=0, wait_timeout_s=5.0)
     async with contextlib.AsyncExitStack() as stack:
         pre = [await stack.enter_async_context(serve_sim(SimConfig(
             engine_id=f"p{i}", role="prefill", time_scale=0.0, seed=7, pd=pd)))
