@@ -41,7 +41,7 @@ from middleware.errors import (
     model_not_found,
 )
 from middleware.gateway import ApiRoutes, Gateway
-from middleware.h1client import H1Client
+from middleware.h1client import H1Client, H1Collector, host_port
 from middleware.loopback import Loopback
 from middleware.metrics import GatewayMetrics
 from middleware.pipeline import build_pipeline
@@ -114,6 +114,8 @@ class KvgateApp:
         self.started_at = int(time.time())
         self._session: aiohttp.ClientSession | None = None
         self._client: H1Client | None = None
+        self.metrics.registry.register(H1Collector(
+            lambda: self._client, {host_port(e.url): e.name for e in config.engines}))
         self.loopback = Loopback(self, self.pipeline.authenticator, self.pool.snapshot)
         for user in self.pipeline.loopback_users:
             user.bind_loopback(self.loopback)

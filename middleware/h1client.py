@@ -37,12 +37,14 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 from urllib.parse import urlsplit
 
 import aiohttp
 import httptools
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 log = logging.getLogger("kvgate.h1client")
 
@@ -312,6 +314,9 @@ class _HostPool:
         self.idle: collections.deque[_Conn] = collections.deque()
         self.busy = 0
         self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        #: Connections opened, and requests sent again after a kept-alive one closed under them
+        self.opened = 0
+        self.resent = 0
 
     def take_idle(self) -> _Conn | None:
         """A free slot's idle connection, if both are at hand (no waiting, no connecting)."""
@@ -366,6 +371,7 @@ class _HostPool:
             async with asyncio.timeout(connect_s):
                 _, conn = await loop.create_connection(
                     lambda: _Conn(self, loop), self.host, self.port)
+            self.opened += 1
         except TimeoutError:
             raise TimeoutError("engine connect timed out") from None
         except OSError as exc:
@@ -437,6 +443,7 @@ class H1Client:
         # the engine closed a kept-alive connection as this request went out on it, before
         # answering a byte (its idle timeout raced ours): once more on a new connection
         log.debug("engine %s closed an idle connection under a request: sent again", hostport)
+        pool.resent += 1
         async with asyncio.timeout_at(deadline):
             conn = await pool.acquire(loop, timeout.connect, fresh=True)
         return await _exchange(conn, head, data, deadline)
@@ -453,8 +460,7 @@ class H1Client:
         port = parts.port or 80
         netloc = parts.netloc.rpartition("@")[2]
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        host = parts.hostname
-        key = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        key = _pool_key(parts.hostname, port)
         if len(self._targets) >= 1024:
             self._targets.clear()
         known = self._targets[url] = (key, netloc.encode("idna"), path.encode())
@@ -468,10 +474,58 @@ class H1Client:
         """Connections per engine address: in use and idle."""
         return {key: {"busy": p.busy, "idle": len(p.idle)} for key, p in self._pools.items()}
 
+    def pool_figures(self) -> dict[str, tuple[int, int, int, int, int]]:
+        """Per ``host:port``: (busy, idle, waiting for a slot, opened, resent)."""
+        return {key: (p.busy, len(p.idle), len(p.waiters), p.opened, p.resent)
+                for key, p in self._pools.items()}
+
+
     async def close(self) -> None:
         """Close every idle connection (those in use close when their exchange ends)."""
         for pool in self._pools.values():
             pool.close()
+
+
+class H1Collector(Collector):
+    """The engine client's pools on ``/metrics``, labelled with the engine's name (an address
+    no configured engine has is labelled with the address)."""
+
+    def __init__(self, client: Callable[[], H1Client | None], names: Mapping[str, str]) -> None:
+        self._client = client
+        self._names = names
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        client = self._client()
+        figures = client.pool_figures() if client is not None else {}
+        conns = GaugeMetricFamily("kvgate_engine_connections",
+                                  "Engine-hop keep-alive connections", labels=["engine", "state"])
+        waiting = GaugeMetricFamily("kvgate_engine_connection_waiters",
+                                    "Requests waiting for a free connection slot",
+                                    labels=["engine"])
+        opened = CounterMetricFamily("kvgate_engine_connections_opened",
+                                     "Engine-hop connections opened", labels=["engine"])
+        resent = CounterMetricFamily(
+            "kvgate_engine_requests_resent",
+            "Requests sent again because the engine closed a kept-alive connection under them",
+            labels=["engine"])
+        for key, (busy, idle, wait, made, again) in sorted(figures.items()):
+            engine = self._names.get(key, key)
+            conns.add_metric([engine, "busy"], busy)
+            conns.add_metric([engine, "idle"], idle)
+            waiting.add_metric([engine], wait)
+            opened.add_metric([engine], made)
+            resent.add_metric([engine], again)
+        yield from (conns, waiting, opened, resent)
+
+
+def host_port(url: str) -> str:
+    """The pool key (``host:port``) of an ``http://`` URL."""
+    parts = urlsplit(url)
+    return _pool_key(parts.hostname or "", parts.port or 80)
+
+
+def _pool_key(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def _exchange(conn: _Conn, head: bytes, data: bytes | None,

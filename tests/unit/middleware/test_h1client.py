@@ -9,8 +9,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
-from middleware.h1client import READ_HIGH_WATER, H1Client, H1ConnectionError, supports
+from middleware.h1client import (
+    READ_HIGH_WATER,
+    H1Client,
+    H1Collector,
+    H1ConnectionError,
+    host_port,
+    supports,
+)
 
 TIMEOUT = aiohttp.ClientTimeout(total=5.0, connect=2.0)
 Handler = Callable[[bytes, asyncio.StreamWriter], Awaitable[None]]
@@ -169,6 +177,19 @@ async def test_an_idle_connection_closed_under_a_request_is_retried_once() -> No
             assert await resp.read() == b"ok"
         assert server.connections == 3
         assert len(server.requests) == 5  # 3 answered, 2 closed under the request
+        key = host_port(server.url)
+        assert client.pool_figures()[key] == (0, 1, 0, 3, 2)  # busy, idle, waiting, opened, resent
+        text = _exposition(H1Collector(lambda: client, {key: "engine-a"}))
+        assert 'kvgate_engine_connections{engine="engine-a",state="idle"} 1.0' in text
+        assert 'kvgate_engine_connections_opened_total{engine="engine-a"} 3.0' in text
+        assert 'kvgate_engine_requests_resent_total{engine="engine-a"} 2.0' in text
+        assert 'kvgate_engine_connection_waiters{engine="engine-a"} 0.0' in text
+
+
+def _exposition(collector: H1Collector) -> str:
+    registry = CollectorRegistry()
+    registry.register(collector)
+    return generate_latest(registry).decode()
 
 
 async def test_unreachable_engine_is_a_connection_error() -> None:
