@@ -47,6 +47,7 @@ from plugins.keys_model import (
     new_key,
     parse_keys,
 )
+from plugins.redis_retry import redis_errors
 
 #: Optimistic write attempts against concurrent admin writes before giving up (409).
 MAX_WRITE_ATTEMPTS = 16
@@ -167,8 +168,7 @@ def store_errors() -> tuple[type[BaseException], ...]:
     """What an unreachable store raises (Redis is an optional dependency)."""
     if find_spec("redis") is None:
         return (OSError, TimeoutError)
-    from redis.exceptions import RedisError
-    return (RedisError, OSError, TimeoutError)
+    return redis_errors()
 
 
 def connect_redis(url: str, timeout_s: float) -> Any:

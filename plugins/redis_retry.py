@@ -25,3 +25,14 @@ def stale_connection_retry() -> Retry:
     from redis.exceptions import ConnectionError as RedisConnectionError
 
     return Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+
+
+def redis_errors() -> tuple[type[BaseException], ...]:
+    """What a failing Redis call raises, for the callers' breakers: redis-py's own errors,
+    socket errors and timeouts, and ``RuntimeError``, which redis-py raises through uvloop when
+    Redis dies while a connection is being set up ("unable to perform operation on
+    <TCPTransport closed=True>": seen while Redis was SIGKILLed under load, where it became a
+    500 instead of the quota store's designed fail-closed 503)."""
+    from redis.exceptions import RedisError  # optional dependency, only with redis_url
+
+    return (RedisError, OSError, TimeoutError, RuntimeError)

@@ -67,7 +67,7 @@ from middleware.types import (
     StateKey,
     add_response_header,
 )
-from plugins.redis_retry import stale_connection_retry
+from plugins.redis_retry import redis_errors, stale_connection_retry
 from plugins.state import SESSION_KEY, SESSION_PIN
 
 log = logging.getLogger("kvgate.plugins.session_affinity")
@@ -215,9 +215,7 @@ class _Breaker:
 
 
 def _redis_errors() -> tuple[type[BaseException], ...]:
-    from redis.exceptions import RedisError  # optional dependency, only with redis_url
-
-    return (RedisError, OSError, TimeoutError)
+    return redis_errors()
 
 
 class SessionTable:

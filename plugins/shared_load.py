@@ -44,7 +44,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from middleware.types import EndpointId
-from plugins.redis_retry import stale_connection_retry
+from plugins.redis_retry import redis_errors, stale_connection_retry
 
 if TYPE_CHECKING:
     from plugins.token_load import EngineLoad
@@ -258,9 +258,7 @@ class LoadExchange:
 
 
 def _redis_errors() -> tuple[type[BaseException], ...]:
-    from redis.exceptions import RedisError  # optional dependency, only with redis_url
-
-    return (RedisError, OSError, TimeoutError)
+    return redis_errors()
 
 
 def connect(url: str, timeout_s: float) -> RedisLoadClient:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from middleware.types import EndpointId
-from plugins.redis_retry import stale_connection_retry
+from plugins.redis_retry import redis_errors, stale_connection_retry
 from plugins.shared_load import replica_id
 
 log = logging.getLogger("kvgate.plugins.shared_record")
@@ -94,9 +94,7 @@ class RecordShare:
         self._recent: OrderedDict[tuple[EndpointId, int], float] = OrderedDict()
         self.clock = clock
         self._tasks: list[asyncio.Task[None]] = []
-        from redis.exceptions import RedisError  # optional dependency, only with redis_url
-
-        self._errors: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
+        self._errors: tuple[type[BaseException], ...] = redis_errors()
 
     def publish(self, engine: EndpointId, hashes: Sequence[int]) -> None:
         """Queue an insertion for the next flush (the oldest is dropped when full). The same

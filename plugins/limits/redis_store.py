@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Sequence
 from typing import Any, Protocol
 
 from plugins.limits.model import Ask, Quota, Settlement, Verdict
-from plugins.redis_retry import stale_connection_retry
+from plugins.redis_retry import redis_errors, stale_connection_retry
 
 ADMIT_LUA = """
 local now, rid, deadline, n, bttl = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]),
@@ -229,9 +229,7 @@ def _verdict(ask: Ask, out: Sequence[Any]) -> Verdict:
 
 
 def _redis_errors() -> tuple[type[BaseException], ...]:
-    from redis.exceptions import RedisError  # optional dependency, only with redis_url
-
-    return (RedisError, OSError, TimeoutError)
+    return redis_errors()
 
 
 def connect(url: str, timeout_s: float) -> ScriptClient:

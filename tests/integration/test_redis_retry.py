@@ -54,3 +54,27 @@ async def test_a_redis_that_is_down_still_fails_at_once() -> None:
         assert time.monotonic() - started < 1.0  # refused twice, not waited out
     finally:
         await client.aclose()
+
+
+class _ScriptClient:
+    """A client whose scripts fail as redis-py does through uvloop when Redis dies while a
+    connection is being set up."""
+
+    def register_script(self, _script: str) -> object:
+        async def call(**_kwargs: object) -> object:
+            raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; "
+                               "the handler is closed")
+        return call
+
+
+async def test_a_transport_closed_during_connect_is_the_store_down() -> None:
+    """Seen while Redis was SIGKILLed under load: redis-py raised RuntimeError, which became a
+    500 instead of the quota store's fail-closed 503 (plugins/redis_retry.redis_errors)."""
+    from plugins.limits.model import Ask
+    from plugins.limits.redis_store import RedisStore, StoreDown
+
+    store = RedisStore(_ScriptClient(), prefix="kvgate:q:", timeout_s=1.0)  # type: ignore[arg-type]
+    ask = Ask(request_id="r", scopes=(), input_tokens=1, output_tokens=1, cost_units=0,
+              lease_ms=1000)
+    with pytest.raises(StoreDown, match="RuntimeError"):
+        await store.admit(ask, 0)
