@@ -134,13 +134,15 @@ def gateway(agent_fleet: list[LocalEngine],
 
 
 def _ledger(tmp: Path, ids: list[str]) -> dict[str, LedgerRecord]:
-    """The ledger rows of ``ids`` (waiting for the batched writer)."""
+    """The final ledger rows of ``ids`` (waiting for the batched writer). Billing writes each
+    request twice under one id: an early record before the answer ends (no ``ttft_s`` yet),
+    replaced by the final one when the dispatch completes; reading between the two races."""
     deadline = time.monotonic() + 10
     while True:
         backend = open_backend(f"sqlite://{tmp}/ledger.sqlite")
         try:
             rows = {str(r.client_request_id): r for r in backend.query(*ALL)
-                    if r.client_request_id in ids}
+                    if r.client_request_id in ids and r.ttft_s is not None}
         finally:
             backend.close()
         if len(rows) == len(ids) or time.monotonic() > deadline:
