@@ -31,6 +31,19 @@ Bounds and eviction
     (speculative or approximate records) are treated as absent once expired and dropped when
     met.
 
+Prefix-closed mode (the gateway's own record, ``prefix_closed=True``)
+    An index written only by :meth:`KvIndex.record` (whole chains from their root; no events,
+    no removals) keeps an invariant: a block that is held and unexpired has its parent held,
+    unexpired, and more recent in LRU order (a record refreshes tail first, so the parent
+    ends after the child; an expiry only grows and a parent's is never below its child's;
+    LRU eviction therefore always takes a leaf). "Block ``i`` of a prompt is held" is then
+    monotone in ``i``, so :meth:`KvIndex.match` finds the longest held prefix by binary
+    search (~10 lookups for 800 blocks instead of 800), and :meth:`KvIndex.record` of a
+    chain whose tail is already held with at least the new expiry only refreshes the LRU
+    order (one C-level pass) instead of visiting every block in Python. A match does not
+    refresh recency in this mode: the record mirrors each engine's cache, and an engine's
+    cache is only touched by the requests it serves, which :meth:`KvIndex.record` refreshes.
+
 Nothing here does I/O; the index is single-threaded (owned by the event loop).
 """
 
@@ -126,6 +139,8 @@ class KvIndex:
         default_block_size: tokens per block assumed for a holder that has reported none yet.
         recent_prompt_bytes: bound of the recently routed prompts kept to re-key events whose
             parent is unknown (:mod:`plugins.kv_recent`; 0: none kept, such events are skipped).
+        prefix_closed: written by :meth:`record` only (module docstring, "Prefix-closed
+            mode"); event updates raise ``TypeError``.
     """
 
     def __init__(
@@ -134,12 +149,15 @@ class KvIndex:
         holder_capacity_blocks: int | None = None,
         default_block_size: int = 16,
         recent_prompt_bytes: int = 0,
+        *,
+        prefix_closed: bool = False,
     ) -> None:
         if capacity_blocks <= 0 or default_block_size <= 0:
             raise ValueError("capacity and block size must be positive")
         self.capacity_blocks = capacity_blocks
         self.holder_capacity_blocks = holder_capacity_blocks
         self.default_block_size = default_block_size
+        self.prefix_closed = prefix_closed
         self.stats = IndexStats()
         self._holders: dict[HolderId, _Holder] = {}
         self._caps: dict[HolderId, int] = {}  # per-holder bounds overriding the default
@@ -192,7 +210,10 @@ class KvIndex:
             hashes = hashes_by_size.get(size)
             if not hashes:
                 continue
-            device, total = self._match_one(holder, hashes, now)
+            if self.prefix_closed:
+                device = total = self._match_closed(holder, hashes, now)
+            else:
+                device, total = self._match_one(holder, hashes, now)
             if total:
                 out[hid] = (device * size, (total - device) * size)
         return out
@@ -273,6 +294,29 @@ class KvIndex:
             deque(map(blocks.move_to_end, reversed(hashes[:total])), maxlen=0)
         return device, total
 
+    def _match_closed(self, holder: _Holder, hashes: Sequence[int], now: float) -> int:
+        """Blocks of the longest held, unexpired prefix, by binary search (prefix-closed mode:
+        held-and-unexpired is monotone along a chain). Every record is on the device tier. The
+        first block past the match, when held but expired, is dropped as :meth:`_match_one`
+        does; recency is left alone (module docstring)."""
+        get = holder.blocks.get
+        lo, hi = 0, len(hashes)  # blocks [0, lo) are held; [hi, n) are not
+        while lo < hi:
+            mid = (lo + hi) // 2
+            hold = get(hashes[mid])
+            if hold is not None and hold.expires > now:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo < len(hashes) and get(hashes[lo]) is not None:
+            self._drop(holder, hashes[lo])
+            self.stats.expired_blocks += 1
+        return lo
+
+    def _event_update(self) -> None:
+        if self.prefix_closed:
+            raise TypeError("a prefix-closed index is written by record() only")
+
     # -- event updates ------------------------------------------------------------------
     def store(
         self,
@@ -292,6 +336,7 @@ class KvIndex:
         supplies it (the chain cannot be re-keyed; counted as orphans). Raises
         :class:`HashingError` for bad token ids.
         """
+        self._event_update()
         holder = self._holder(holder_key)
         holder.block_sizes[group_idx] = block_size  # learnt even from an orphan
         parent_own: int | None = None
@@ -351,6 +396,7 @@ class KvIndex:
         Only the given tier is cleared; a block left on no tier is dropped. Returns the number of
         blocks found.
         """
+        self._event_update()
         holder = self._holders.get(holder_key)
         tier = tier_of(medium)
         found = 0
@@ -470,6 +516,13 @@ class KvIndex:
         blocks = holder.blocks
         get, refresh = blocks.get, blocks.move_to_end
         bits = DEVICE | LEARNED if learned else DEVICE
+        if self.prefix_closed and hashes:
+            tail = get(hashes[-1])
+            if tail is not None and tail.expires >= expires:
+                # held to the tail, so every ancestor is held with at least this expiry: the
+                # loop below would change no expiry nor tier, only refresh
+                deque(map(refresh, reversed(hashes)), maxlen=0)
+                return
         added = 0
         for h in reversed(hashes):  # one pass, no calls but the dict's: ~0.3 us per block
             hold = get(h)
@@ -489,6 +542,7 @@ class KvIndex:
         """Drop the record entries among ``hashes`` that expire after ``expiring_after`` (a
         finite expiry: entries known from events stay; an earlier bound keeps shorter-lived
         entries such as speculation). Returns how many were dropped."""
+        self._event_update()
         holder = self._holders.get(holder_key)
         if holder is None:
             return 0

@@ -34,6 +34,7 @@ recomputed) with the ``cached_tokens`` the engine reported; the states judge the
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -107,6 +108,16 @@ class _Check:
 
 
 _CHECK: StateKey[_Check] = StateKey("prefix-cache-check")
+#: Record expiries are rounded up to a whole multiple of this many seconds, so the requests of
+#: one second that repeat or share a chain find its tail already held until that expiry and
+#: only refresh its LRU order (KvIndex's prefix-closed fast path) instead of rewriting every
+#: block's expiry. A record lives at most this much longer than ``record_ttl_s`` (600 s).
+RECORD_EXPIRY_STEP_S = 1.0
+
+
+def record_expiry(now: float, ttl_s: float) -> float:
+    """``now + ttl_s`` rounded up to a multiple of :data:`RECORD_EXPIRY_STEP_S`."""
+    return math.ceil((now + ttl_s) / RECORD_EXPIRY_STEP_S) * RECORD_EXPIRY_STEP_S
 
 
 class PrefixCacheProducer(
@@ -184,7 +195,8 @@ class PrefixCacheProducer(
         self.events: KvIndex | None = None if source is None else source.index
         #: The gateway's own record (None in precise mode).
         self.record: KvIndex | None = None if params.mode == "precise" else KvIndex(
-            params.capacity_blocks, params.engine_capacity_blocks, params.block_size)
+            params.capacity_blocks, params.engine_capacity_blocks, params.block_size,
+            prefix_closed=True)
         self._owns_health = source is None
         #: Recent prompts' record chains: a session's next turn hashes only its new tail.
         self.chains = ChainMemo(params.chain_memo_bytes)
@@ -250,7 +262,7 @@ class PrefixCacheProducer(
 
     def _apply_shared(self, engine: EndpointId, hashes: list[int]) -> None:
         if self.record is not None:
-            self.record.record(engine, hashes, self.clock() + self.p.record_ttl_s,
+            self.record.record(engine, hashes, record_expiry(self.clock(), self.p.record_ttl_s),
                                block_size=self.p.block_size, group_idx=self.p.group_idx)
 
     def collector(self) -> Collector:
@@ -415,7 +427,8 @@ class PrefixCacheProducer(
         hashes = state.get(_RECORD_HASHES)
         if self.record is None or hashes is None:
             return
-        self.record.record(ep.id, hashes[self.p.block_size], now + self.p.record_ttl_s,
+        self.record.record(ep.id, hashes[self.p.block_size],
+                           record_expiry(now, self.p.record_ttl_s),
                            block_size=self.p.block_size, group_idx=self.p.group_idx)
         if self.shared is not None:
             self.shared.publish(ep.id, hashes[self.p.block_size])
