@@ -56,6 +56,7 @@ class Options:
     out: Path
     setup_only: bool
     profile_s: float
+    profile_bytes: int
     closed_tool: str
     quick: bool
 
@@ -97,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="smoke test: 1 trial, 1.5 s + 0.5 s warm-up per cell")
     parser.add_argument("--profile", type=float, default=0.0, metavar="SECONDS",
                         help="py-spy the kvgate process for SECONDS under closed-loop load")
+    parser.add_argument("--profile-bytes", type=int, default=SMALL_BODY, metavar="BYTES",
+                        help="chat body size of the profiled load (default 1 KiB)")
     parser.add_argument("--venv-root", type=Path, default=venvs.DEFAULT_ROOT)
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: timestamped)")
     parser.add_argument("--closed-tool", choices=["auto", "wrk", "aiohttp"], default="auto",
@@ -130,7 +133,7 @@ def parse_options(argv: Sequence[str] | None = None) -> Options:
         chunk_interval_ms=args.chunk_interval_ms,
     )
     return Options(systems, cfg, tuple(harness.make_cells(sizes, streams)), out, args.setup,
-                   args.profile, args.closed_tool, args.quick)
+                   args.profile, args.profile_bytes, args.closed_tool, args.quick)
 
 
 def ensure_tools(systems: Sequence[System], root: Path, want_profiler: bool) -> None:
@@ -274,7 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     measurements, failed = harness.run_matrix(systems, opts.cells, opts.cfg, progress)
     extra: dict[str, Any] = {}
     if want_profile and KVGATE not in failed:
-        extra["profile"] = profile.profile_system(known[KVGATE], opts.cfg, opts.profile_s)
+        extra["profile"] = profile.profile_system(known[KVGATE], opts.cfg, opts.profile_s,
+                                                  opts.profile_bytes)
     med = harness.medians(measurements)
     measured = [s for s in opts.systems if s in med]
     targets = check_targets(med)

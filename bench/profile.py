@@ -78,12 +78,12 @@ def py_spy_argv(pid: int, seconds: float, out: Path, root: Path) -> list[str]:
 
 
 def _record_under_load(endpoint_url: str, pid: int, cfg: RunConfig, seconds: float,
-                       out: Path) -> None:
+                       out: Path, body_bytes: int) -> None:
     load_cfg = RunConfig(
         rate=cfg.rate, concurrency=cfg.concurrency, duration_s=seconds + 3.0, warmup_s=1.0,
         trials=1, venv_root=cfg.venv_root, log_dir=cfg.log_dir,
     )
-    cell = Cell(stream=False, body_bytes=1024, mode="closed")
+    cell = Cell(stream=False, body_bytes=body_bytes, mode="closed")
     argv = ["taskset", "-c", str(harness.LOAD_CPU),
             *harness.loadgen_argv(endpoint_url, cell, load_cfg)]
     load = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -96,18 +96,21 @@ def _record_under_load(endpoint_url: str, pid: int, cfg: RunConfig, seconds: flo
         load.wait(timeout=seconds + 60)
 
 
-def profile_system(system: System, cfg: RunConfig, seconds: float) -> dict[str, Any]:
-    """Start ``system`` afresh, load it closed-loop, py-spy it; summary + path of the stacks."""
+def profile_system(system: System, cfg: RunConfig, seconds: float,
+                   body_bytes: int = 1024) -> dict[str, Any]:
+    """Start ``system`` afresh, load it closed-loop with ``body_bytes`` chat bodies, py-spy it;
+    summary + path of the stacks."""
     venvs.ensure(venvs.PY_SPY, cfg.venv_root)
-    out = cfg.log_dir / f"{system.name}-py-spy.collapsed"
+    out = cfg.log_dir / f"{system.name}-{body_bytes}B-py-spy.collapsed"
     log_path = cfg.log_dir / f"{system.name}-profiled.log"
     print(f"[profile] py-spy on {system.name} for {seconds:g} s ...", file=sys.stderr)
     with harness.upstream_running(cfg) as upstream, \
             launched(system, upstream, harness.SUT_CPU, log_path, cfg.venv_root) as endpoint:
         if endpoint.pid is None:
             return {"error": "nothing to profile"}
-        _record_under_load(endpoint.base_url, endpoint.pid, cfg, seconds, out)
-    return {"collapsed_stacks": str(out), **summarise(out.read_text())}
+        _record_under_load(endpoint.base_url, endpoint.pid, cfg, seconds, out, body_bytes)
+    return {"body_bytes": body_bytes, "collapsed_stacks": str(out),
+            **summarise(out.read_text())}
 
 
 def top_table(summary: dict[str, Any], rows: int = 15) -> str:

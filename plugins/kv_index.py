@@ -40,7 +40,9 @@ Prefix-closed mode (the gateway's own record, ``prefix_closed=True``)
     monotone in ``i``, so :meth:`KvIndex.match` finds the longest held prefix by binary
     search (~10 lookups for 800 blocks instead of 800), and :meth:`KvIndex.record` of a
     chain whose tail is already held with at least the new expiry only refreshes the LRU
-    order (one C-level pass) instead of visiting every block in Python. A match does not
+    order (one C-level pass) instead of visiting every block in Python; not even that when the
+    holder's last record was this same chain and no block was dropped since (the chain is
+    already at the LRU end in that order). A match does not
     refresh recency in this mode: the record mirrors each engine's cache, and an engine's
     cache is only touched by the requests it serves, which :meth:`KvIndex.record` refreshes.
 
@@ -104,12 +106,15 @@ class Hold:
 
 
 class _Holder:
-    __slots__ = ("block_sizes", "blocks", "by_ehash")
+    __slots__ = ("block_sizes", "blocks", "by_ehash", "last_chain")
 
     def __init__(self) -> None:
         self.blocks: OrderedDict[int, Hold] = OrderedDict()
         self.by_ehash: dict[tuple[int, EngineHash], int] = {}
         self.block_sizes: dict[int, int] = {}
+        #: prefix-closed mode: the chain the last record left at the LRU end, tail to root,
+        #: while no block has been dropped since (None otherwise).
+        self.last_chain: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -520,8 +525,11 @@ class KvIndex:
             tail = get(hashes[-1])
             if tail is not None and tail.expires >= expires:
                 # held to the tail, so every ancestor is held with at least this expiry: the
-                # loop below would change no expiry nor tier, only refresh
-                deque(map(refresh, reversed(hashes)), maxlen=0)
+                # loop below would change no expiry nor tier, only refresh; and nothing to
+                # refresh when the last record left this very chain at the end
+                if holder.last_chain != hashes:
+                    deque(map(refresh, reversed(hashes)), maxlen=0)
+                    holder.last_chain = list(hashes)
                 return
         added = 0
         for h in reversed(hashes):  # one pass, no calls but the dict's: ~0.3 us per block
@@ -535,6 +543,8 @@ class KvIndex:
                 hold.tiers |= bits
             refresh(h)
         self._size += added
+        if self.prefix_closed:
+            holder.last_chain = list(hashes)  # cleared by any eviction below
         self._enforce(holder, holder_key)
 
     def forget_records(self, holder_key: HolderId, hashes: Iterable[int],
@@ -563,6 +573,7 @@ class KvIndex:
 
     def _drop(self, holder: _Holder, h: int) -> None:
         hold = holder.blocks.pop(h)
+        holder.last_chain = None
         self._size -= 1
         if hold.ekey is not None and holder.by_ehash.get(hold.ekey) == h:
             del holder.by_ehash[hold.ekey]

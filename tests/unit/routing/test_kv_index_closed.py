@@ -131,3 +131,24 @@ def test_learned_records_keep_their_bit_on_the_fast_path() -> None:
     index.record("e0", [1, 2], 50.0, block_size=BS)  # fast path: nothing but the order
     assert [hold.tiers for hold in index._holders["e0"].blocks.values()] == [
         DEVICE | LEARNED, DEVICE | LEARNED]
+
+
+A, B, LONG = [1, 2, 3], [1, 2, 9], [20, 21, 22, 23, 24, 25]
+
+
+@pytest.mark.parametrize(("name", "records"), [
+    ("repeat", [A, A, A]),
+    ("repeat after a sibling", [A, B, A]),
+    ("repeat after its prefix", [A, A[:1], A]),
+    ("repeat after the chain overflowed its holder", [LONG, LONG, A, LONG]),
+    ("repeat after another chain evicted part of it", [A, LONG, A, A]),
+])
+def test_repeated_record_order_is_the_walks(name: str, records: list[list[int]]) -> None:
+    """The refresh skipped for a chain the last record left at the LRU end gives the same
+    order, expiries and evictions as the block-by-block walk."""
+    closed = KvIndex(100, holder_capacity_blocks=5, default_block_size=BS, prefix_closed=True)
+    plain = KvIndex(100, holder_capacity_blocks=5, default_block_size=BS)
+    for chain in records:
+        for index in (closed, plain):
+            index.record("e0", chain, 10.0, block_size=BS)
+        assert _state(closed, "e0") == _state(plain, "e0"), name
