@@ -42,6 +42,12 @@ class ServerConfig(BaseModel):
     #: Upper bound on one upstream request, connect to last byte (long generations take minutes).
     request_timeout_s: float = Field(600.0, gt=0)
     connect_timeout_s: float = Field(5.0, gt=0)
+    #: Longest silence of an engine's stream after its first byte before the stream counts as
+    #: broken (the client gets the API's error event, the engine's circuit breaker a failure).
+    #: Decode steps are milliseconds and a preempted request resumes within seconds; 120 s
+    #: finds a wedged engine (a hung GPU, a deadlocked collective) five times sooner than
+    #: ``request_timeout_s`` without cutting off a merely slow one.
+    stream_idle_timeout_s: float = Field(120.0, gt=0)
     #: Retries on another engine when the upstream fails before the first byte (issue: once).
     retries: int = Field(1, ge=0, le=3)
     #: Connection pool size per engine (keep-alive connections kept by the HTTP client).

@@ -371,7 +371,8 @@ class Dispatcher:
         attempt.headers[:0] = SSE_HEADERS
         attempt.headers.extend(ctx.plugin_headers())
         await relay_stream(resp, chunk, ctx.send, relay, attempt, adapter.stream_error,
-                           lambda: self.report_usage(ctx, attempt))
+                           lambda: self.report_usage(ctx, attempt),
+                           self.config.server.stream_idle_timeout_s)
 
     async def _answer(self, ctx: RequestContext, attempt: Attempt, resp: Response,
                       rewriter: UsageRewriter | None) -> None:

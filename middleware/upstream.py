@@ -105,9 +105,11 @@ async def relay_stream(
     attempt: Attempt,
     stream_error: Callable[[str], bytes],
     on_final: Callable[[], Awaitable[None]] | None = None,
+    idle_s: float | None = None,
 ) -> None:
     """Send headers then every event as it arrives; a broken upstream ends with
-    ``stream_error`` (the API's own error event).
+    ``stream_error`` (the API's own error event). An engine silent for ``idle_s`` seconds
+    after its first byte has broken its stream (a wedged engine, not a slow one).
 
     ``on_final`` is awaited once, as soon as the tap's usage is final and *before* the bytes
     that carry it (and the stream's end) are sent: what a usage hook does (a durable ledger
@@ -118,6 +120,7 @@ async def relay_stream(
     attempt.status = 200
     attempt.first_byte_at = time.monotonic()
     tap = relay.tap
+    idle = asyncio.timeout(None)
     try:
         chunk = first
         while chunk:
@@ -127,9 +130,12 @@ async def relay_stream(
                 await callback()
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
-            chunk = await resp.content.readany()
-    except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError,
-            EventTooLarge) as exc:
+            async with asyncio.timeout(idle_s) as idle:
+                chunk = await resp.content.readany()
+    except TimeoutError:  # this silence, or the request's whole deadline
+        attempt.broken = f"engine stream stalled: no bytes for {idle_s} s" \
+            if idle.expired() else "engine stream broke: TimeoutError"
+    except (aiohttp.ClientError, asyncio.IncompleteReadError, EventTooLarge) as exc:
         attempt.broken = f"engine stream broke: {type(exc).__name__}"
     finally:
         resp.close()

@@ -213,3 +213,42 @@ async def test_an_engine_event_that_never_ends_breaks_the_stream(
     assert len(events) == 2 and b"x" * 10 not in resp.content
     error = orjson.loads(events[-1].removeprefix(b"data: "))["error"]
     assert "EventTooLarge" in error["message"]
+
+
+async def test_an_engine_silent_mid_stream_breaks_it_and_counts_against_its_breaker() -> None:
+    """A wedged engine (first event sent, then silence) is cut off after
+    ``stream_idle_timeout_s``, not the request's 600 s: the client gets the API's error event,
+    and the engine's breaker a failure."""
+    wedged = asyncio.Event()
+
+    async def engine(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        while (await receive()).get("more_body"):
+            pass
+        stream = scope["method"] == "POST"
+        ctype = b"text/event-stream" if stream else b"application/json"
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", ctype)]})
+        if not stream:
+            await send({"type": "http.response.body", "body": b'{"data": []}'})
+            return
+        await send({"type": "http.response.body", "more_body": True,
+                    "body": b'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n'})
+        await wedged.wait()  # set only at the end: the engine hangs after its first event
+
+    async with serve_asgi(engine, "off") as url:
+        data = gateway_config([url], pool={"startup_probe_timeout_s": 0, "breaker_failures": 1},
+                              server={"stream_idle_timeout_s": 0.3})
+        data["engines"][0]["models"] = ["sim-model"]
+        async with gateway(data) as (_, client):
+            resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+            metrics = (await client.get("/metrics")).text
+            health = await client.get("/health")
+        wedged.set()  # lets the engine's server shut down
+    assert resp.status_code == 200
+    events = resp.content.rstrip(b"\n").split(b"\n\n")
+    assert len(events) == 2 and b'"content": "a"' in events[0]
+    error = orjson.loads(events[-1].removeprefix(b"data: "))["error"]
+    assert error["message"] == "engine stream stalled: no bytes for 0.3 s"
+    assert 'kvgate_upstream_errors_total{engine="sim-0",stage="mid_stream"} 1.0' in metrics
+    assert _breaker(metrics, "sim-0") == "2.0"  # open: one failure is the threshold here
+    assert [e["breaker"] for e in health.json()["engines"]] == ["open"]
