@@ -84,6 +84,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "(default: the plugin's defaults)")
     p.add_argument("--weights", type=_weights, default=(3.0, 2.0, 1.0), metavar="P,L,S",
                    help="kvgate-v1-default's prefix, load, session weights (3,2,1)")
+    p.add_argument("--placement-params", type=json.loads, default=None, metavar="JSON",
+                   help="kvgate-default only: params merged into its kv-placement-scorer "
+                        "(tuning runs; default: the shipped defaults, as `kvgate serve` runs)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--venv-root", type=Path, default=venvs.DEFAULT_ROOT)
     p.add_argument("--no-progress", action="store_true")
@@ -127,7 +130,7 @@ def run_system(
     if spec.kind != "kvgate":
         tool = venvs.SGLANG_ROUTER if spec.kind == "sglang-router" else venvs.VLLM_ROUTER
         venvs.ensure(tool, args.venv_root)
-    tuning = DefaultTuning(args.weights, args.guard)
+    tuning = DefaultTuning(args.weights, args.guard, args.placement_params)
     with system_running(spec, fleet, logs, args.venv_root, tuning) as sut:
         outcomes = asyncio.run(replay(
             sut.base_urls or sut.base_url, jobs, bodies.__getitem__, args.concurrency, label=label,
@@ -178,8 +181,8 @@ def run_trace(spec: str, args: argparse.Namespace, stamp: str) -> dict[str, Any]
         wall[system] = round(time.monotonic() - started, 1)
         rows.append(summarize(system, outcomes, counters, time_scale,
                               [r.input_length for r in reqs]))
-        raw[system] = [[o.index, o.status, o.ttft_s, o.cached_tokens, o.engine, o.error]
-                       for o in outcomes]
+        raw[system] = [[o.index, o.status, o.ttft_s, o.cached_tokens, o.engine, o.error,
+                        o.late_s, o.latency_s] for o in outcomes]
     print(markdown(path.stem, ref, engine_ref, rows), flush=True)
     span = (reqs[-1].timestamp_ms - reqs[0].timestamp_ms) / 1000 if reqs else 0.0
     return {
@@ -190,7 +193,7 @@ def run_trace(spec: str, args: argparse.Namespace, stamp: str) -> dict[str, Any]
         "engine_reachable_reference": _ref_dict(engine_ref),
         "systems": [asdict(r) for r in rows], "wall_s": wall,
         "outcomes": {"fields": ["index", "status", "ttft_wall_s", "cached_tokens", "engine",
-                                "error"], **raw},
+                                "error", "late_wall_s", "latency_wall_s"], **raw},
     }
 
 
@@ -207,7 +210,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "time_scale": args.time_scale if args.time_scale is not None else 1.0 / args.speedup,
         "max_output_tokens": args.max_output, "concurrency": args.concurrency,
         "sessions": not args.no_sessions, "default_guard": args.guard,
-        "default_weights": args.weights, "results": {},
+        "default_weights": args.weights, "placement_params": args.placement_params,
+        "results": {},
     }
     out_json = args.out / f"replay-{stamp}.json"
     for spec in args.traces.split(","):

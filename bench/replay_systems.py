@@ -107,11 +107,13 @@ def _plugin(kind: str, **params: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class DefaultTuning:
-    """Overrides of the default profile for tuning runs: scorer weights (prefix, load, session)
-    and token-imbalance-filter params (None: as in docs/routing.md)."""
+    """Overrides for tuning runs: the first tranche's scorer weights (prefix, load, session)
+    and token-imbalance-filter params (None: as in docs/routing.md), and ``placement``: params
+    merged into the quick start's ``kv-placement-scorer`` (None: the shipped defaults)."""
 
     weights: tuple[float, float, float] = (3.0, 2.0, 1.0)
     guard: Mapping[str, float] | None = None
+    placement: Mapping[str, Any] | None = None
 
 
 def _compose(
@@ -168,6 +170,22 @@ def kvgate_config(
         "plugins": plugins,
         "profiles": [{"name": "default", "plugins": refs}],
     }
+
+
+def tuned_quick_start(
+    urls: list[str], port: int, events: str | None, placement: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The config ``kvgate serve --engine URL ... [--kv-events-bind E]`` builds, with
+    ``placement`` merged into the ``kv-placement-scorer``'s params (tuning runs)."""
+    from middleware.quickstart import QuickStart, quick_start_config
+
+    qs = QuickStart(engines=tuple(urls), kv_events_bind=events,
+                    server={"host": "127.0.0.1", "port": port})
+    data: dict[str, Any] = quick_start_config(qs).model_dump(mode="json", exclude={"source"})
+    for plugin in data["plugins"]:
+        if plugin["type"] == "kv-placement-scorer":
+            plugin["params"] = {**(plugin.get("params") or {}), **placement}
+    return data
 
 
 def sim_argv(i: int, port: int, fleet: FleetSpec, events: str | list[str] | None) -> list[str]:
@@ -237,7 +255,12 @@ def system_running(
     with fleet_running(fleet, events, logs) as urls:
         port = procs.free_port()
         base = f"http://127.0.0.1:{port}"
-        if spec.quick_start:
+        if spec.quick_start and tuning is not None and tuning.placement is not None:
+            config = logs / "kvgate.json"
+            config.write_text(json.dumps(
+                tuned_quick_start(urls, port, events, tuning.placement), indent=1))
+            argv = [str(Path(sys.executable).parent / "kvgate"), "serve", "--config", str(config)]
+        elif spec.quick_start:
             argv = [str(Path(sys.executable).parent / "kvgate"), "serve", "--port", str(port)]
             argv += [a for u in urls for a in ("--engine", u)]
             argv += ["--kv-events-bind", events] if events else []
