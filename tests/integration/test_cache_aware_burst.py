@@ -4,8 +4,8 @@ simulated engines publishing KV events. The engines hold every request 0.5 s bef
 first request's ``BlockStored`` can arrive. Speculative entries let placement see the prefix the
 first request is computing (its decisions are no longer all "cold"), and the burst follows it:
 the prefix is computed once and reused five times, since the queue it waits behind (six
-~2.1k-token prompts) is far below the saturation point (``load_weight`` 0.1: a queue worth ten
-times the prefix held). Without speculation the burst is placed blind, as cold work spread by
+~2.1k-token prompts) is far below the saturation point (``load_weight`` 0.02: a queue worth
+fifty times the prefix held). Without speculation the burst is placed blind, as cold work spread by
 pressure over both engines, each computing the prefix."""
 
 from __future__ import annotations

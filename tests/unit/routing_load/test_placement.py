@@ -77,9 +77,9 @@ def test_costs_are_tokens_of_recompute_queue_and_pressure() -> None:
     load.tracker.charge("other", [_charge("e1", 700)], 0.0)
     state = state_for(3000, {"e0": 2500, "e1": 500})
     costs = s.place(req(), state, eps).costs
-    # miss x relative turnover ((0.1 + 0.05) / (0 + 0.05) = 3) + load_weight (0.1) x queue
+    # miss x relative turnover ((0.1 + 0.05) / (0 + 0.05) = 3) + load_weight (0.02) x queue
     assert costs["e0"] == pytest.approx(500 * 3 + 0)
-    assert costs["e1"] == pytest.approx(2500 * 1 + 0.1 * 700)
+    assert costs["e1"] == pytest.approx(2500 * 1 + 0.02 * 700)
 
 
 def _charge(engine: str, prefill: int) -> Any:
@@ -88,17 +88,18 @@ def _charge(engine: str, prefill: int) -> Any:
 
 
 def test_a_busy_home_is_left_when_waiting_costs_more_than_recomputing() -> None:
-    """Saturation: the home is given up once its queue, at load_weight 0.1 per token, costs
-    more than recomputing the 2,000 tokens it holds beyond the other engine."""
+    """Saturation: the home is given up once its queue, at load_weight 0.02 per token, costs
+    more than recomputing the 2,000 tokens it holds beyond the other engine: beyond a queue of
+    100,000 tokens."""
     load = load_scorer()
     p = KvPlacementScorer.Params.model_validate({"load": "token-load-scorer"})
     s = KvPlacementScorer("kv-placement-scorer", p, Lookup({"token-load-scorer": load}))
     eps = [ep("e0"), ep("e1")]
     state = state_for(3000, {"e0": 2000, "e1": 0})
     assert best(s, state, eps) == "e0"
-    load.tracker.charge("long", [_charge("e0", 15_000)], 0.0)
+    load.tracker.charge("long", [_charge("e0", 85_000)], 0.0)
     assert best(s, state_for(3000, {"e0": 2000, "e1": 0}), eps) == "e0"
-    load.tracker.charge("longer", [_charge("e0", 10_000)], 0.0)
+    load.tracker.charge("longer", [_charge("e0", 20_000)], 0.0)
     assert best(s, state_for(3000, {"e0": 2000, "e1": 0}), eps) == "e1"
 
 
