@@ -29,7 +29,15 @@ from typing import Any
 
 from bench import harness, profile, venvs
 from bench.harness import Cell, Measurement, Medians, RunConfig, fmt, ratio
-from bench.systems import DIRECT, KVGATE, SGLANG_ROUTER, VLLM_ROUTER, System, catalogue
+from bench.systems import (
+    DIRECT,
+    KVGATE,
+    KVGATE_UVICORN,
+    SGLANG_ROUTER,
+    VLLM_ROUTER,
+    System,
+    catalogue,
+)
 
 DEFAULT_SYSTEMS = (DIRECT, KVGATE, VLLM_ROUTER, SGLANG_ROUTER)
 RESULTS_DIR = Path("bench/results")
@@ -287,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_json(opts, measurements, med, failed,
                {"targets": targets, "per_core_targets": per_core, **extra})
     print(f"\n## Medians of {opts.cfg.trials} trial(s)\n")
-    baselines = [s for s in (DIRECT, VLLM_ROUTER, SGLANG_ROUTER) if s in measured]
+    baselines = [s for s in (DIRECT, VLLM_ROUTER, SGLANG_ROUTER, KVGATE_UVICORN) if s in measured]
     subject = KVGATE if KVGATE in measured else None
     print(harness.results_table(med, measured, opts.cells, subject, baselines))
     print("\n## Added over direct\n")

@@ -16,6 +16,9 @@ from bench import procs, venvs
 
 DIRECT = "direct"
 KVGATE = "kvgate"
+#: kvgate served by uvicorn's own HTTP protocol (``kvgate serve --http uvicorn``), as before
+#: middleware/h1server.py became the default: the before/after of the front end in one run.
+KVGATE_UVICORN = "kvgate-uvicorn"
 VLLM_ROUTER = "vllm-router"
 SGLANG_ROUTER = "sglang-router"
 PASS_AIOHTTP = "passthrough-aiohttp"
@@ -49,6 +52,10 @@ class Endpoint:
 def _kvgate(upstream: str, port: int, _aux: int, _root: Path) -> list[str]:
     kvgate = Path(sys.executable).parent / "kvgate"
     return [str(kvgate), "serve", "--engine", upstream, "--host", "127.0.0.1", "--port", str(port)]
+
+
+def _kvgate_uvicorn(upstream: str, port: int, aux: int, root: Path) -> list[str]:
+    return [*_kvgate(upstream, port, aux, root), "--http", "uvicorn"]
 
 
 def _vllm_router(upstream: str, port: int, aux: int, root: Path) -> list[str]:
@@ -86,6 +93,7 @@ def catalogue() -> dict[str, System]:
     systems = [
         System(DIRECT, None),
         System(KVGATE, _kvgate, start_timeout_s=120.0, ready_path="/v1/models"),
+        System(KVGATE_UVICORN, _kvgate_uvicorn, start_timeout_s=120.0, ready_path="/v1/models"),
         System(VLLM_ROUTER, _vllm_router, tool=venvs.VLLM_ROUTER),
         System(SGLANG_ROUTER, _sglang_router, tool=venvs.SGLANG_ROUTER),
         System(PASS_AIOHTTP, _passthrough("aiohttp")),

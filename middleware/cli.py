@@ -62,9 +62,17 @@ def tune_gc() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
 
 
-def serve_config(config: GatewayConfig, workers: int = 1) -> int:
-    """Run the gateway with uvicorn (uvloop + httptools, no access log) until interrupted;
-    ``workers`` > 1: that many gateway processes on one listening socket (middleware/workers.py).
+#: ``kvgate serve --http``: the HTTP/1.1 protocol uvicorn's server runs per connection.
+#: ``kvgate``: middleware/h1server.py (the default: less work per request, no proxy-headers
+#: middleware); ``uvicorn``: uvicorn's own httptools protocol with its proxy-headers middleware
+#: (what kvgate served with before; kept to compare, bench/overhead.py ``kvgate-uvicorn``).
+HTTP_FRONTS = {"kvgate": "middleware.h1server:H1Protocol", "uvicorn": "httptools"}
+
+
+def serve_config(config: GatewayConfig, workers: int = 1, http: str = "kvgate") -> int:
+    """Run the gateway under uvicorn's server (uvloop; the ``http`` front of
+    :data:`HTTP_FRONTS`; no access log) until interrupted; ``workers`` > 1: that many gateway
+    processes on one listening socket (middleware/workers.py).
     """
     import os
 
@@ -84,9 +92,9 @@ def serve_config(config: GatewayConfig, workers: int = 1) -> int:
         tune_gc()
     uvicorn.run(
         app, factory=workers > 1, workers=workers, host=config.server.host,
-        port=config.server.port, loop="uvloop", http="httptools", lifespan="on",
+        port=config.server.port, loop="uvloop", http=HTTP_FRONTS[http], lifespan="on",
         access_log=False, log_level=config.server.log_level, server_header=False,
-        date_header=False, timeout_keep_alive=30,
+        date_header=False, timeout_keep_alive=30, proxy_headers=http == "uvicorn",
     )
     return 0
 
@@ -135,7 +143,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         config = config.model_copy(update={"server": server})
     config = with_billing(config, prices=args.prices, ledger=args.ledger, keys=args.keys)
     config = with_quotas(with_shared_state(config, args.redis))
-    return serve_config(with_tracing(config, args.otlp_endpoint), args.workers)
+    return serve_config(with_tracing(config, args.otlp_endpoint), args.workers, args.http)
 
 
 def with_tracing(config: GatewayConfig, endpoint: str | None) -> GatewayConfig:
@@ -191,6 +199,9 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--workers", type=_positive, default=1, metavar="N",
                    help="gateway processes sharing the port (default 1); with N > 1 give --redis "
                    "so that they route as one (docs/operations.md)")
+    p.add_argument("--http", choices=sorted(HTTP_FRONTS), default="kvgate",
+                   help="HTTP/1.1 protocol (default kvgate: middleware/h1server.py; uvicorn: "
+                   "uvicorn's httptools protocol, as before)")
     p.set_defaults(func=_cmd_serve)
 
 

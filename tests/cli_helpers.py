@@ -12,7 +12,7 @@ def served_config(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> GatewayCo
     """Run ``kvgate serve ARGV`` with the server replaced: the config it would have served."""
     seen: list[GatewayConfig] = []
 
-    def fake_serve(config: GatewayConfig, workers: int = 1) -> int:
+    def fake_serve(config: GatewayConfig, workers: int = 1, http: str = "kvgate") -> int:
         seen.append(config)
         return 0
 

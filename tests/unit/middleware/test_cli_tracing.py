@@ -41,6 +41,6 @@ def test_flag_overrides_only_the_endpoint_of_a_config(monkeypatch: pytest.Monkey
 
 def test_bad_endpoint_is_a_startup_error(monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(cli, "serve_config", lambda config, workers=1: 0)
+    monkeypatch.setattr(cli, "serve_config", lambda config, workers=1, http="kvgate": 0)
     assert cli.main(["serve", "--engine", "http://e0:8000", "--otlp-endpoint", "collector"]) == 2
     assert "--otlp-endpoint 'collector': not an http(s) URL" in capsys.readouterr().err
