@@ -13,7 +13,11 @@ key id, model, engines, profiles, tokens, durations) and what plugins add with
 stores; routing plugins: ``route``, why they chose). Never the API key, the raw session id, the
 prompt or any header: the core copies none of those, and a plugin adds only what it chooses.
 
-Cost: one ``orjson.dumps`` per request; nothing at all when disabled.
+Cost: one ``orjson.dumps`` per request; nothing at all when disabled. Under ``kvgate serve``
+(the logger's only handler is the one :func:`install_handler` gave it, nothing propagated,
+no filters) the line goes straight to that handler's stream, under its lock, instead of
+through ``Logger.info`` (a ``LogRecord``, the handler chain, a formatter: ~14 µs against
+~2 µs per line, ~5 % of kvgate's CPU per 1 KiB request); what reaches the file is the same.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from typing import Any
 
 import orjson
 
@@ -60,7 +65,31 @@ class AccessLog:
     def write(self, ctx: RequestContext, method: str) -> None:
         if not self.enabled or not self._log.isEnabledFor(logging.INFO):
             return
-        self._log.info(orjson.dumps(self.entry(ctx, method), default=str).decode())
+        line = orjson.dumps(self.entry(ctx, method), default=str).decode()
+        handler = self._own_handler()
+        if handler is None:
+            self._log.info(line)
+            return
+        try:
+            with handler.lock:  # type: ignore[union-attr]  # set by Handler.createLock
+                handler.stream.write(line + "\n")
+                handler.stream.flush()
+        except (OSError, ValueError):  # a closed or failing stream: logging reports it
+            self._log.info(line)
+
+    def _own_handler(self) -> logging.StreamHandler[Any] | None:
+        """The handler :func:`install_handler` gave the logger when it is the only way out
+        (else None: lines go through ``logging``, e.g. to pytest's caplog)."""
+        log = self._log
+        handlers = log.handlers
+        if len(handlers) != 1 or log.propagate or log.filters:
+            return None
+        handler = handlers[0]
+        if (not getattr(handler, _HANDLER_MARK, False) or handler.filters
+                or handler.level > logging.INFO
+                or not isinstance(handler, logging.StreamHandler) or handler.stream is None):
+            return None
+        return handler
 
     @staticmethod
     def entry(ctx: RequestContext, method: str) -> dict[str, object]:
