@@ -32,6 +32,7 @@ from bench.harness import Cell, Measurement, Medians, RunConfig, fmt, ratio
 from bench.systems import (
     DIRECT,
     KVGATE,
+    KVGATE_BASE,
     KVGATE_UVICORN,
     SGLANG_ROUTER,
     VLLM_ROUTER,
@@ -295,7 +296,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_json(opts, measurements, med, failed,
                {"targets": targets, "per_core_targets": per_core, **extra})
     print(f"\n## Medians of {opts.cfg.trials} trial(s)\n")
-    baselines = [s for s in (DIRECT, VLLM_ROUTER, SGLANG_ROUTER, KVGATE_UVICORN) if s in measured]
+    baselines = [s for s in (DIRECT, VLLM_ROUTER, SGLANG_ROUTER, KVGATE_UVICORN, KVGATE_BASE)
+                 if s in measured]
     subject = KVGATE if KVGATE in measured else None
     print(harness.results_table(med, measured, opts.cells, subject, baselines))
     print("\n## Added over direct\n")

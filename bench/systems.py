@@ -7,6 +7,7 @@ process started on the system-under-test core, in front of the same upstream.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,6 +20,11 @@ KVGATE = "kvgate"
 #: kvgate served by uvicorn's own HTTP protocol (``kvgate serve --http uvicorn``), as before
 #: middleware/h1server.py became the default: the before/after of the front end in one run.
 KVGATE_UVICORN = "kvgate-uvicorn"
+#: kvgate from another checkout (``KVGATE_BASE_TREE``: a ``git worktree`` of the commit to
+#: compare with, put first on ``PYTHONPATH``; the venv's installed dependencies and entry points
+#: are shared): a before/after of any change in one run.
+KVGATE_BASE = "kvgate-base"
+BASE_TREE_ENV = "KVGATE_BASE_TREE"
 VLLM_ROUTER = "vllm-router"
 SGLANG_ROUTER = "sglang-router"
 PASS_AIOHTTP = "passthrough-aiohttp"
@@ -58,6 +64,14 @@ def _kvgate_uvicorn(upstream: str, port: int, aux: int, root: Path) -> list[str]
     return [*_kvgate(upstream, port, aux, root), "--http", "uvicorn"]
 
 
+def _kvgate_base(upstream: str, port: int, aux: int, root: Path) -> list[str]:
+    tree = os.environ.get(BASE_TREE_ENV)
+    if not tree or not (Path(tree) / "middleware" / "cli.py").is_file():
+        raise SystemExit(f"{KVGATE_BASE}: set {BASE_TREE_ENV} to a kvgate checkout "
+                         "(git worktree add /tmp/kvgate-base <commit>)")
+    return ["env", f"PYTHONPATH={tree}", *_kvgate(upstream, port, aux, root)]
+
+
 def _vllm_router(upstream: str, port: int, aux: int, root: Path) -> list[str]:
     program = venvs.bin_path(venvs.VLLM_ROUTER, "vllm-router", root)
     return [
@@ -94,6 +108,7 @@ def catalogue() -> dict[str, System]:
         System(DIRECT, None),
         System(KVGATE, _kvgate, start_timeout_s=120.0, ready_path="/v1/models"),
         System(KVGATE_UVICORN, _kvgate_uvicorn, start_timeout_s=120.0, ready_path="/v1/models"),
+        System(KVGATE_BASE, _kvgate_base, start_timeout_s=120.0, ready_path="/v1/models"),
         System(VLLM_ROUTER, _vllm_router, tool=venvs.VLLM_ROUTER),
         System(SGLANG_ROUTER, _sglang_router, tool=venvs.SGLANG_ROUTER),
         System(PASS_AIOHTTP, _passthrough("aiohttp")),
