@@ -85,7 +85,7 @@ class _Exchange:
 
     __slots__ = ("chunked", "chunks", "complete", "conn", "disconnected", "expect_continue",
                  "head_only", "keep_alive", "more_body", "remaining", "scope", "started",
-                 "taken", "waiter")
+                 "taken", "waiters")
 
     def __init__(self, conn: H1Protocol, scope: dict[str, Any], keep_alive: bool,
                  expect_continue: bool) -> None:
@@ -100,12 +100,16 @@ class _Exchange:
         self.started = self.complete = self.disconnected = False
         self.chunked = False
         self.remaining = 0  # response bytes still owed under a content-length
-        self.waiter: asyncio.Future[None] | None = None
+        #: one future per ``receive`` call waiting (usually one; any number may wait)
+        self.waiters: list[asyncio.Future[None]] = []
 
     def wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        waiters = self.waiters
+        if waiters:
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+            waiters.clear()
 
     def buffered(self) -> int:
         return sum(map(len, self.chunks))
@@ -119,9 +123,14 @@ class _Exchange:
             if self.chunks or not (self.more_body or self.taken):
                 return self._take()
             self.conn.resume_reading()
-            self.waiter = self.conn.loop.create_future()
-            await self.waiter
-            self.waiter = None
+            waiter = self.conn.loop.create_future()
+            self.waiters.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter in self.waiters:
+                    self.waiters.remove(waiter)
+                raise
         return _DISCONNECT
 
     def _take(self) -> Message:

@@ -42,8 +42,12 @@ class App:
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"x-evil", b"a\r\nset-cookie: b")]})
             return
-        if path == "/wait-disconnect":
-            assert (await receive())["type"] == "http.disconnect"
+        if path == "/wait-disconnect":  # two watchers, one of them cancelled: both kinds end
+            cancelled = asyncio.ensure_future(receive())
+            watchers = [asyncio.ensure_future(receive()) for _ in range(2)]
+            await asyncio.sleep(0)
+            cancelled.cancel()
+            assert [(await w)["type"] for w in watchers] == ["http.disconnect"] * 2
             self.disconnected.set()
             return
         if path == "/slow":
