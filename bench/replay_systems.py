@@ -30,7 +30,8 @@ CPUS = "0-1"  # everything floats over both cores: the fleet needs more than one
 #: before their connection and subscription are up is dropped. In 3,000-request conversation
 #: replays whose first request left 64 ms after the bind, kvgate_kv_index_orphan_blocks_total
 #: was 68-191 (early sessions' later blocks, whose parents' events were lost; their next turns
-#: were placed blind); in those whose first request left 0.3 s after it, 0.
+#: were placed blind); in those whose first request left 0.3 s after it, and in a rerun
+#: with this wait (replay-20261127-023608.json), 0.
 EVENTS_SETTLE_S = 1.0
 PROMPT_METRICS = ("vllm:prompt_tokens_total", "vllm:prompt_tokens_cached_total",
                   "vllm:num_preemptions_total")
