@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+
+from middleware.tasks import cancel_and_wait
 
 
 async def cancel(task: asyncio.Task[None] | None) -> None:
     """Cancel ``task`` (None: nothing to stop) and wait for it to finish unwinding."""
     if task is None:
         return
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    await cancel_and_wait(task)
+    if not task.cancelled():
+        task.result()  # a loop that failed (or ended) on its own: its exception is raised

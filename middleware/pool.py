@@ -23,6 +23,7 @@ from middleware.config import EngineConfig, PoolConfig
 from middleware.engine import EngineAdapter
 from middleware.errors import ConfigError
 from middleware.plugin import EndpointSetListener
+from middleware.tasks import cancel_and_wait
 from middleware.types import Endpoint, EndpointId, EngineMetrics
 
 log = logging.getLogger("kvgate.pool")
@@ -200,8 +201,7 @@ class EndpointPool:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
             self._task = None
 
     async def _run(self) -> None:

@@ -43,6 +43,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from middleware.plugin import Persistent
+from middleware.tasks import cancel_and_wait
 
 log = logging.getLogger("kvgate.routing_state")
 
@@ -183,9 +184,9 @@ class RoutingStateFile:
     async def stop(self) -> None:
         """Stop the periodic save and write a last snapshot."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
+            if not self._task.cancelled():
+                self._task.result()  # a failed save loop still raises, as before
             self._task = None
         if self.plugins:
             await asyncio.to_thread(self.write, self.document())

@@ -66,6 +66,7 @@ from middleware.plugin import (
     PrincipalLookup,
     RequestHook,
 )
+from middleware.tasks import cancel_and_wait
 from middleware.types import CycleState, InferenceRequest, StateKey
 from plugins.keys_model import (
     KEY_PREFIX,
@@ -362,9 +363,9 @@ class ApiKeys(Plugin, Authenticator, PrincipalLookup, RequestHook, Lifecycle, As
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
+            if not task.cancelled():
+                task.result()  # a failed loop still raises, as before
         if self._client is not None:
             await self._client.aclose()
             self._client = None

@@ -45,6 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from middleware.errors import ConfigError
 from middleware.plugin import EndpointSetListener, Lifecycle, Plugin, PluginLookup
+from middleware.tasks import cancel_and_wait
 from middleware.types import Endpoint
 from plugins.kv_health import HealthParams, IndexHealth, Source
 from plugins.kv_index import HashingError, KvIndex, holder_id
@@ -241,9 +242,7 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, set()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(*tasks)
         for link in self._links.values():
             self._close_link(link)
         if self._bound is not None:

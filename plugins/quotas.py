@@ -69,6 +69,7 @@ from middleware.plugin import (
     RequestEndHook,
     RequestHook,
 )
+from middleware.tasks import cancel_and_wait
 from middleware.types import (
     RESPONSE_HEADERS,
     CycleState,
@@ -345,9 +346,9 @@ class Quotas(Plugin, RequestHook, CompletionHook, RequestEndHook, Lifecycle, Met
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
+            if not self._task.cancelled():
+                self._task.result()  # a failed loop still raises, as before
             self._task = None
         if self.redis is not None:
             with contextlib.suppress(StoreDown):

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from middleware.tasks import cancel_and_wait
 from middleware.types import EndpointId
 from plugins.redis_retry import redis_errors, stale_connection_retry
 
@@ -243,8 +244,7 @@ class LoadExchange:
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait(task)
         try:
             await asyncio.wait_for(
                 self._client.delete(self._key(self.me), self._key(self.me, "c")), self._timeout_s)

@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from middleware.tasks import cancel_and_wait
 from middleware.types import EndpointId
 from plugins.redis_retry import redis_errors, stale_connection_retry
 from plugins.shared_load import replica_id
@@ -176,9 +177,7 @@ class RecordShare:
         self._tasks = [loop.create_task(self._flusher()), loop.create_task(self._listener())]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(*self._tasks)
         self._tasks = []
         await self.flush()
         for client in (self._pub, self._sub):
