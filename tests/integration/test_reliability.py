@@ -12,7 +12,7 @@ import logging
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -22,6 +22,7 @@ import pytest
 from engines.ports import free_port
 from engines.sim.faults import FaultSpec
 from middleware import sse
+from middleware.asgi import Send
 from tests.integration.conftest import gateway, gateway_config, serve_gateway, sim_fleet
 from tests.servers import serve_asgi, wait_ready
 
@@ -183,11 +184,11 @@ async def test_200_concurrent_streams_all_complete() -> None:
         assert [ep.in_flight_requests for ep in app.pool.snapshot()] == [0, 0]
 
 
-async def test_an_engine_event_that_never_ends_breaks_the_stream(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sse, "MAX_EVENT_BYTES", 4096)  # 16 MiB in production
+def _first_event_then(rest: Callable[[Send], Awaitable[None]]) -> Any:
+    """An engine (ASGI) that answers a GET with JSON and a POST with one chat SSE event, then
+    does ``rest`` with the stream still open."""
 
-    async def engine(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def engine(scope: dict[str, Any], receive: Any, send: Send) -> None:
         while (await receive()).get("more_body"):
             pass
         stream = scope["method"] == "POST"
@@ -199,9 +200,21 @@ async def test_an_engine_event_that_never_ends_breaks_the_stream(
             return
         await send({"type": "http.response.body", "more_body": True,
                     "body": b'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n'})
+        await rest(send)
+
+    return engine
+
+
+async def test_an_engine_event_that_never_ends_breaks_the_stream(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sse, "MAX_EVENT_BYTES", 4096)  # 16 MiB in production
+
+    async def endless(send: Send) -> None:
         for _ in range(4):
             await send({"type": "http.response.body", "body": b"x" * 2000, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
+
+    engine = _first_event_then(endless)
 
     async with serve_asgi(engine, "off") as url:
         data = gateway_config([url], pool={"startup_probe_timeout_s": 0})
@@ -221,19 +234,10 @@ async def test_an_engine_silent_mid_stream_breaks_it_and_counts_against_its_brea
     and the engine's breaker a failure."""
     wedged = asyncio.Event()
 
-    async def engine(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        while (await receive()).get("more_body"):
-            pass
-        stream = scope["method"] == "POST"
-        ctype = b"text/event-stream" if stream else b"application/json"
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", ctype)]})
-        if not stream:
-            await send({"type": "http.response.body", "body": b'{"data": []}'})
-            return
-        await send({"type": "http.response.body", "more_body": True,
-                    "body": b'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n'})
+    async def hang(_: Send) -> None:
         await wedged.wait()  # set only at the end: the engine hangs after its first event
+
+    engine = _first_event_then(hang)
 
     async with serve_asgi(engine, "off") as url:
         data = gateway_config([url], pool={"startup_probe_timeout_s": 0, "breaker_failures": 1},
