@@ -426,16 +426,18 @@ def test_errors_in_each_api_shape(gateway: tuple[str, Path, Keys], name: str, pa
 
 def _kill_mid_stream(url: str, keys: Keys, path: str, body: dict[str, Any],
                      fleet: list[LocalEngine]) -> str:
-    """Start a long stream, SIGKILL the engine serving it after its first events; the rest
-    of the stream as the client sees it."""
+    """Start a long stream, SIGKILL the engine serving it once the stream has started; the
+    whole stream as the client sees it."""
     with httpx.stream("POST", url + path, json=body, headers=keys.auth("user"),
                       timeout=120) as resp:
         assert resp.status_code == 200
         served = resp.headers["x-kvgate-engine"]
-        lines = resp.iter_lines()
-        head = [next(lines) for _ in range(6)]
+        # killed as soon as the stream has started (the gateway sends its head on the engine's
+        # first bytes): an engine that got ahead of a CPU-starved client and gateway can flush
+        # its whole answer into the sockets' buffers within a few lines' reading time
         os.killpg(fleet[int(served.rsplit("-", 1)[1])].pid, signal.SIGKILL)  # engine-<i>
-        tail = list(lines)
+        lines = list(resp.iter_lines())
+    head, tail = lines[:6], lines[6:]
     assert not any("message_stop" in line or "response.completed" in line for line in tail)
     return "\n".join(head + tail)
 
@@ -502,12 +504,12 @@ def test_engine_dies_mid_stream_then_none_healthy(
         gateway: tuple[str, Path, Keys], agent_fleet: list[LocalEngine]) -> None:
     url, _, keys = gateway
     text = _kill_mid_stream(url, keys, "/v1/messages", {
-        "model": SERVED_NAME, "max_tokens": 3000, "stream": True, "temperature": 0,
+        "model": SERVED_NAME, "max_tokens": 3900, "stream": True, "temperature": 0,
         "messages": [{"role": "user", "content": _code(7, 4)}]}, agent_fleet)
     error = json.loads(text.split("event: error\ndata: ")[1].splitlines()[0])
     assert error["type"] == "error" and error["error"]["type"]
     text = _kill_mid_stream(url, keys, "/v1/responses", {
-        "model": SERVED_NAME, "max_output_tokens": 3000, "stream": True, "temperature": 0,
+        "model": SERVED_NAME, "max_output_tokens": 3900, "stream": True, "temperature": 0,
         "input": _code(8, 4)}, agent_fleet)
     error = json.loads(text.split("event: error\ndata: ")[1].splitlines()[0])
     assert error["type"] == "error" and error["message"]
