@@ -43,9 +43,10 @@ from bench.replay_trace import TRACE_BLOCK, TraceRequest, infer_sessions, load_t
 from middleware.types import Api, CycleState, Endpoint, InferenceRequest, RoutingDecision
 from plugins.placement import KvPlacementScorer
 from plugins.state import PREFIX_MATCH, SESSION_KEY, TOKEN_IDS, PrefixMatch
+from plugins.token_load import TokenLoadScorer
 
 #: token-load-scorer's default weight of an in-flight decode token [prefill tokens]
-DECODE_TOKEN_WEIGHT = 4.0
+DECODE_TOKEN_WEIGHT: float = TokenLoadScorer.Params.model_fields["decode_token_weight"].default
 #: the replay's default cap on output tokens (bench.replay --max-output)
 MAX_OUTPUT = 32
 
