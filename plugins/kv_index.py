@@ -3,33 +3,24 @@
 Hashing
     Engines' own block hashes cannot be recomputed outside the engine (vLLM seeds its root hash
     randomly per process and its default digest hashes a pickle), so every block is re-keyed with
-    kvgate's own deterministic chained hash: ``h_i = blake2b-64(h_{i-1} || n_i || tokens_i ||
-    extra_i)`` with ``tokens_i`` the block's token ids as little-endian uint32, ``n_i`` their count
-    and ``extra_i`` the block's extra keys (vLLM's per-block ``extra_keys``: LoRA name, then
-    ``cache_salt`` on the first block) packed with msgpack. The chain starts from
-    ``h_{-1} = blake2b-64("kvgate-kv-v1", group_idx)``, so blocks of different KV-cache groups never
-    collide. A block's hash therefore names the whole prefix up to and including it, exactly like
-    the engine's. Only full blocks are hashed (engines only cache full blocks).
+    kvgate's own deterministic chained hash (:mod:`plugins.kv_hashing`: the token ids and extra
+    keys of each block, chained from a root per KV-cache group, so blocks of different groups
+    never collide). A block's hash therefore names the whole prefix up to and including it,
+    exactly like the engine's. Only full blocks are hashed (engines only cache full blocks).
 
-Holders
-    A *holder* is one KV cache: an engine id, or ``"<engine>#dp<r>"`` for data-parallel rank
-    ``r > 0`` (each rank has its own cache). Per holder the index keeps an LRU-ordered map own-hash
-    -> :class:`Hold` (tiers held as a bit set, the engine's hash for removals, an expiry time) and
-    a map (group, engine-hash) -> own-hash to resolve removals and parent links. A stored
-    block whose parent is unknown is re-keyed from a recently routed prompt when one matches
-    (:mod:`plugins.kv_recent`, :meth:`KvIndex.remember`), else skipped as an orphan.
+Holders, bounds and eviction
+    The per-holder maps and the bounds (``capacity_blocks``, ``holder_capacity_blocks``,
+    :meth:`KvIndex.set_capacity`) are :mod:`plugins.kv_holders`' (:class:`KvIndex` is its
+    :class:`~plugins.kv_holders.HolderTable`). A stored block whose parent is unknown is
+    re-keyed from a recently routed prompt when one matches (:mod:`plugins.kv_recent`,
+    :meth:`KvIndex.remember`), else skipped as an orphan.
 
-Bounds and eviction
-    ``capacity_blocks`` bounds the total number of (holder, block) pairs. When it is exceeded the
-    least recently used block of the *largest* holder is dropped, so one busy engine cannot push
-    the others' entries out. ``holder_capacity_blocks`` (optional) bounds each holder on its own,
-    which lets the approximate mode mirror an engine's LRU cache; :meth:`KvIndex.set_capacity`
-    overrides it for one holder (an engine whose KV capacity is known). Engines emit nothing on
-    a cache hit, so a successful :meth:`KvIndex.match` refreshes the matched blocks' recency;
-    blocks are refreshed tail first, root last, so that eviction takes a chain's tail before its
-    root (a dropped root would make every descendant unmatchable). Holds with an expiry
-    (speculative or approximate records) are treated as absent once expired and dropped when
-    met.
+Recency and expiry
+    Engines emit nothing on a cache hit, so a successful :meth:`KvIndex.match` refreshes the
+    matched blocks' recency; blocks are refreshed tail first, root last, so that eviction takes
+    a chain's tail before its root (a dropped root would make every descendant unmatchable).
+    Holds with an expiry (speculative or approximate records) are treated as absent once
+    expired and dropped when met.
 
 Prefix-closed mode (the gateway's own record, ``prefix_closed=True``)
     An index written only by :meth:`KvIndex.record` (whole chains from their root; no events,
@@ -51,91 +42,36 @@ Nothing here does I/O; the index is single-threaded (owned by the event loop).
 
 from __future__ import annotations
 
-import math
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 
 from plugins.kv_hashing import ExtraKeys, HashingError, chain_hashes, request_extra_keys
+from plugins.kv_holders import (
+    DEVICE,
+    DEVICE_MEDIA,
+    LEARNED,
+    NEVER,
+    OTHER,
+    EngineHash,
+    Hold,
+    Holder,
+    HolderId,
+    HolderTable,
+    IndexStats,
+    engine_of,
+    holder_id,
+    tier_of,
+)
 from plugins.kv_recent import PackingError, RecentPrompts, pack_tokens
 
 __all__ = [
-    "DEVICE", "OTHER", "ExtraKeys", "HashingError", "Hold", "IndexStats", "KvIndex",
-    "chain_hashes", "engine_of", "holder_id", "request_extra_keys", "tier_of",
+    "DEVICE", "DEVICE_MEDIA", "LEARNED", "OTHER", "EngineHash", "ExtraKeys", "HashingError",
+    "Hold", "HolderId", "IndexStats", "KvIndex", "chain_hashes", "engine_of", "holder_id",
+    "request_extra_keys", "tier_of",
 ]
 
-#: Tier bits of a hold.
-DEVICE = 1
-OTHER = 2
-#: Not a tier: set on record entries learnt from an engine's reported cached tokens (no event
-#: announced those blocks); cleared when an event does.
-LEARNED = 4
-#: ``medium`` values that mean device (accelerator) memory; vLLM reports "GPU" (also on CPU
-#: builds), and older engines omit the field, which vLLM documents as GPU.
-DEVICE_MEDIA = frozenset({"GPU", None})
-_NEVER = math.inf
 
-HolderId = str
-EngineHash = int | bytes
-
-
-def holder_id(engine: str, dp_rank: int | None) -> HolderId:
-    """The holder key of an engine's data-parallel rank (rank 0 and unknown: the engine id)."""
-    return engine if not dp_rank else f"{engine}#dp{dp_rank}"
-
-
-def engine_of(holder: HolderId) -> str:
-    """The engine id of a holder key."""
-    return holder.partition("#")[0]
-
-
-def tier_of(medium: str | None) -> int:
-    return DEVICE if medium in DEVICE_MEDIA else OTHER
-
-
-class Hold:
-    """One holder's copy of one block."""
-
-    __slots__ = ("ekey", "expires", "tiers")
-
-    def __init__(self, tiers: int, expires: float, ekey: tuple[int, EngineHash] | None) -> None:
-        self.tiers = tiers
-        self.expires = expires
-        #: (group, engine hash) when the block is known from an event; None for records.
-        self.ekey = ekey
-
-
-class _Holder:
-    __slots__ = ("block_sizes", "blocks", "by_ehash", "last_chain")
-
-    def __init__(self) -> None:
-        self.blocks: OrderedDict[int, Hold] = OrderedDict()
-        self.by_ehash: dict[tuple[int, EngineHash], int] = {}
-        self.block_sizes: dict[int, int] = {}
-        #: prefix-closed mode: the chain the last record left at the LRU end, tail to root,
-        #: while no block has been dropped since (None otherwise).
-        self.last_chain: list[int] | None = None
-
-
-@dataclass(slots=True)
-class IndexStats:
-    """Counters (monotonic) of an index."""
-
-    stored_blocks: int = 0
-    removed_blocks: int = 0
-    orphan_blocks: int = 0  # stored blocks whose parent the index does not know
-    resolved_orphans: int = 0  # events whose unknown parent a recent prompt supplied
-    unknown_removals: int = 0
-    evicted_blocks: int = 0
-    expired_blocks: int = 0
-    resets: int = 0
-    #: blocks an engine's reported cached_tokens said it held (plugins.prefix_cache._learn)
-    learned_blocks: int = 0
-    #: speculative or learnt entries dropped because the engine reported holding less
-    unlearned_blocks: int = 0
-
-
-class KvIndex:
+class KvIndex(HolderTable):
     """Which holder has which block, bounded (see the module docstring).
 
     Parameters:
@@ -157,41 +93,11 @@ class KvIndex:
         *,
         prefix_closed: bool = False,
     ) -> None:
-        if capacity_blocks <= 0 or default_block_size <= 0:
-            raise ValueError("capacity and block size must be positive")
-        self.capacity_blocks = capacity_blocks
-        self.holder_capacity_blocks = holder_capacity_blocks
-        self.default_block_size = default_block_size
+        super().__init__(capacity_blocks, holder_capacity_blocks, default_block_size)
         self.prefix_closed = prefix_closed
-        self.stats = IndexStats()
-        self._holders: dict[HolderId, _Holder] = {}
-        self._caps: dict[HolderId, int] = {}  # per-holder bounds overriding the default
-        self._size = 0
         self.recent = RecentPrompts(recent_prompt_bytes) if recent_prompt_bytes else None
 
-    # -- reading ------------------------------------------------------------------------
-    def __len__(self) -> int:
-        return self._size
-
-    def holders(self) -> tuple[HolderId, ...]:
-        return tuple(self._holders)
-
-    def blocks_of(self, holder: HolderId) -> int:
-        h = self._holders.get(holder)
-        return 0 if h is None else len(h.blocks)
-
-    def block_size(self, holder: HolderId, group_idx: int = 0) -> int:
-        h = self._holders.get(holder)
-        size = None if h is None else h.block_sizes.get(group_idx)
-        return self.default_block_size if size is None else size
-
-    def block_sizes(self, group_idx: int = 0) -> frozenset[int]:
-        """Block sizes the holders use for ``group_idx`` (holders that have reported none use
-        the default)."""
-        return frozenset(
-            h.block_sizes.get(group_idx, self.default_block_size) for h in self._holders.values()
-        )
-
+    # -- reading (sizes and holders: HolderTable) ----------------------------------------
     def match(
         self,
         hashes_by_size: Mapping[int, Sequence[int]],
@@ -278,7 +184,7 @@ class KvIndex:
         }
         return self.match(hashes, now, group_idx)
 
-    def _match_one(self, holder: _Holder, hashes: Sequence[int], now: float) -> tuple[int, int]:
+    def _match_one(self, holder: Holder, hashes: Sequence[int], now: float) -> tuple[int, int]:
         blocks = holder.blocks
         get = blocks.get
         device = total = 0
@@ -299,7 +205,7 @@ class KvIndex:
             deque(map(blocks.move_to_end, reversed(hashes[:total])), maxlen=0)
         return device, total
 
-    def _match_closed(self, holder: _Holder, hashes: Sequence[int], now: float) -> int:
+    def _match_closed(self, holder: Holder, hashes: Sequence[int], now: float) -> int:
         """Blocks of the longest held, unexpired prefix, by binary search (prefix-closed mode:
         held-and-unexpired is monotone along a chain). Every record is on the device tier. The
         first block past the match, when held but expired, is dropped as :meth:`_match_one`
@@ -371,20 +277,20 @@ class KvIndex:
         return len(pairs)
 
     def _put_event_hold(
-        self, holder: _Holder, ekey: tuple[int, EngineHash], h: int, tier: int
+        self, holder: Holder, ekey: tuple[int, EngineHash], h: int, tier: int
     ) -> None:
         old = holder.by_ehash.get(ekey)
         if old is not None and old != h:
             self._drop(holder, old)
         hold = holder.blocks.get(h)
         if hold is None:
-            holder.blocks[h] = Hold(tier, _NEVER, ekey)
+            holder.blocks[h] = Hold(tier, NEVER, ekey)
             self._size += 1
         else:
             if hold.ekey is not None and hold.ekey != ekey:
                 holder.by_ehash.pop(hold.ekey, None)
-            hold.tiers = tier if hold.expires != _NEVER else hold.tiers | tier
-            hold.expires, hold.ekey = _NEVER, ekey
+            hold.tiers = tier if hold.expires != NEVER else hold.tiers | tier
+            hold.expires, hold.ekey = NEVER, ekey
             holder.blocks.move_to_end(h)
         holder.by_ehash[ekey] = h
 
@@ -418,15 +324,6 @@ class KvIndex:
         self.stats.removed_blocks += found
         return found
 
-    def reset(self, holder_key: HolderId) -> int:
-        """Forget everything a holder had (engine restart, lost events, cache cleared)."""
-        holder = self._holders.pop(holder_key, None)
-        if holder is None:
-            return 0
-        self._size -= len(holder.blocks)
-        self.stats.resets += 1
-        return len(holder.blocks)
-
     def reset_engine(self, engine: str) -> int:
         """Reset every holder (all data-parallel ranks) of an engine (it left the pool)."""
         if self.recent is not None:
@@ -436,25 +333,6 @@ class KvIndex:
         for hid in [h for h in self._caps if engine_of(h) == engine]:
             del self._caps[hid]
         return sum(self.reset(hid) for hid in self.holders() if engine_of(hid) == engine)
-
-    def set_capacity(self, holder_key: HolderId, blocks: int | None) -> None:
-        """Bound ``holder`` to ``blocks`` (None: back to ``holder_capacity_blocks``); its least
-        recently used blocks beyond it are dropped at once."""
-        if blocks is None:
-            self._caps.pop(holder_key, None)
-            return
-        if blocks <= 0:
-            raise ValueError("capacity must be positive")
-        if self._caps.get(holder_key) == blocks:
-            return
-        self._caps[holder_key] = blocks
-        holder = self._holders.get(holder_key)
-        if holder is not None:
-            self._enforce(holder, holder_key)
-
-    def capacity_of(self, holder_key: HolderId) -> int | None:
-        """The per-holder bound in force for ``holder`` (None: only the global bound)."""
-        return self._caps.get(holder_key, self.holder_capacity_blocks)
 
     # -- orphans ----------------------------------------------------------------------------
     def remember(self, holder_key: HolderId, token_ids: Sequence[int], hashes: Sequence[int],
@@ -490,16 +368,16 @@ class KvIndex:
                 return hashes[:i]
         return ()
 
-    def _put_held(self, holder: _Holder, h: int) -> None:
+    def _put_held(self, holder: Holder, h: int) -> None:
         """Index ``h`` as held on the device with no known engine hash (an ancestor the engine
         reused); an earlier record becomes permanent."""
         hold = holder.blocks.get(h)
         if hold is None:
-            holder.blocks[h] = Hold(DEVICE, _NEVER, None)
+            holder.blocks[h] = Hold(DEVICE, NEVER, None)
             self._size += 1
             return
-        if hold.expires != _NEVER:
-            hold.tiers, hold.expires = DEVICE, _NEVER
+        if hold.expires != NEVER:
+            hold.tiers, hold.expires = DEVICE, NEVER
         holder.blocks.move_to_end(h)
 
     # -- records (speculative / approximate) -----------------------------------------------
@@ -559,35 +437,7 @@ class KvIndex:
         dropped = 0
         for h in hashes:
             hold = holder.blocks.get(h)
-            if hold is not None and expiring_after < hold.expires != _NEVER:
+            if hold is not None and expiring_after < hold.expires != NEVER:
                 self._drop(holder, h)
                 dropped += 1
         return dropped
-
-    # -- internals ------------------------------------------------------------------------
-    def _holder(self, key: HolderId) -> _Holder:
-        holder = self._holders.get(key)
-        if holder is None:
-            holder = self._holders[key] = _Holder()
-        return holder
-
-    def _drop(self, holder: _Holder, h: int) -> None:
-        hold = holder.blocks.pop(h)
-        holder.last_chain = None
-        self._size -= 1
-        if hold.ekey is not None and holder.by_ehash.get(hold.ekey) == h:
-            del holder.by_ehash[hold.ekey]
-
-    def _evict_oldest(self, holder: _Holder) -> None:
-        h = next(iter(holder.blocks))
-        self._drop(holder, h)
-        self.stats.evicted_blocks += 1
-
-    def _enforce(self, touched: _Holder, key: HolderId) -> None:
-        cap = self._caps.get(key, self.holder_capacity_blocks)
-        if cap is not None:
-            while len(touched.blocks) > cap:
-                self._evict_oldest(touched)
-        while self._size > self.capacity_blocks:
-            largest = max(self._holders.values(), key=lambda x: len(x.blocks))
-            self._evict_oldest(largest)
