@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
-from typing import Any
+from typing import Any, Protocol
 
 from middleware.errors import BadRequest, HTTPError, PayloadTooLarge
 
@@ -92,3 +92,32 @@ async def wait_disconnect(receive: Receive) -> None:
 
 def disconnect_watcher(receive: Receive) -> asyncio.Task[None]:
     return asyncio.ensure_future(wait_disconnect(receive))
+
+
+#: The scope extension under which kvgate's own HTTP server (middleware/h1server.py) gives a
+#: request's :class:`DisconnectSource`: the dispatcher then learns of a client that left from
+#: a callback instead of a watcher task per request (``race`` in middleware/dispatch.py).
+DISCONNECT_EXTENSION = "kvgate.disconnect"
+
+
+class DisconnectSource(Protocol):
+    """Tells when the client of one request disconnects before its response is complete."""
+
+    @property
+    def disconnected(self) -> bool: ...
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once, from the event loop, if the client disconnects."""
+
+    def unwatch(self, callback: Callable[[], None]) -> None:
+        """Stop watching (no-op when ``callback`` was called or never watched)."""
+
+
+def disconnect_source(scope: Scope) -> DisconnectSource | None:
+    """The server's disconnect source for ``scope``, if it offers one (else None: the
+    dispatcher watches ``receive`` instead)."""
+    extensions = scope.get("extensions")
+    if not extensions:
+        return None
+    source: DisconnectSource | None = extensions.get(DISCONNECT_EXTENSION)
+    return source

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from middleware.api import ApiAdapter, ParsedRequest, UsageTap
-from middleware.asgi import Headers, Receive, Send
+from middleware.asgi import DisconnectSource, Headers, Receive, Send
 from middleware.loopback import LoopbackContext
 from middleware.types import (
     RESPONSE_HEADERS,
@@ -79,6 +79,9 @@ class RequestContext:
     client_request_id: str | None = None
     #: Who the authenticator said the caller is (before the body is parsed).
     principal: Principal | None = None
+    #: The server's notice of the client leaving (kvgate's own HTTP server gives one), else
+    #: None: the dispatcher watches ``receive``.
+    disconnect: DisconnectSource | None = None
 
     @property
     def started(self) -> bool:

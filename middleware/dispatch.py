@@ -11,13 +11,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 import aiohttp
 import orjson
 
-from middleware.asgi import SSE_HEADERS, ClientGone, Receive, disconnect_watcher, send_bytes
+from middleware.asgi import (
+    SSE_HEADERS,
+    ClientGone,
+    DisconnectSource,
+    Receive,
+    disconnect_watcher,
+    send_bytes,
+)
 from middleware.config import GatewayConfig
 from middleware.context import Attempt, RequestContext
 from middleware.disagg import TwoHop, UsageRewriter
@@ -100,7 +108,7 @@ class Dispatcher:
         started = time.monotonic()
         error: str | None = "dispatch failed"
         try:
-            await race(work(attempt), ctx.receive)
+            await race(work(attempt), ctx.receive, ctx.disconnect)
             kind, error = OutcomeKind.DONE, None
             if attempt.broken is not None:
                 kind, error = OutcomeKind.UPSTREAM_ERROR, attempt.broken
@@ -267,11 +275,8 @@ class Dispatcher:
             self.metrics.observe_hook(hook, "before_dispatch", t)
         target = decision.target
         lease = self.pool.acquire(target.id, req.prompt_token_estimate)
-
-        async def work(attempt: Attempt) -> None:
-            await self._route(ctx, decision, attempt)
-
-        return await self.run(ctx, target, work, last=last, release=lease.release)
+        return await self.run(ctx, target, partial(self._route, ctx, decision), last=last,
+                              release=lease.release)
 
     async def _route(self, ctx: RequestContext, decision: RoutingDecision,
                      attempt: Attempt) -> None:
@@ -306,13 +311,18 @@ class Dispatcher:
             return orjson.dumps(shaped)
         return req.raw_body if req.raw_body is not None else orjson.dumps(req.body)
 
-    async def _forward(self, ctx: RequestContext, attempt: Attempt,
-                       body: dict[str, Any] | None = None,
-                       rewriter: UsageRewriter | None = None) -> None:
-        """One engine hop (:meth:`_hop`) in its trace span (middleware/tracing.py)."""
+    def _forward(self, ctx: RequestContext, attempt: Attempt,
+                 body: dict[str, Any] | None = None,
+                 rewriter: UsageRewriter | None = None) -> Coroutine[Any, Any, None]:
+        """One engine hop (:meth:`_hop`), in its trace span when tracing is on (no extra
+        coroutine layer when off)."""
         if not self.tracing.enabled:
-            await self._hop(ctx, attempt, body, rewriter)
-            return
+            return self._hop(ctx, attempt, body, rewriter)
+        return self._traced_hop(ctx, attempt, body, rewriter)
+
+    async def _traced_hop(self, ctx: RequestContext, attempt: Attempt,
+                          body: dict[str, Any] | None, rewriter: UsageRewriter | None) -> None:
+        """:meth:`_hop` in its trace span (middleware/tracing.py)."""
         attrs = {"kvgate.engine": attempt.target.id,
                  "kvgate.role": "decode" if rewriter is not None else "both"}
         status = 0
@@ -420,14 +430,46 @@ def _note(ctx: RequestContext, attempt: Attempt, started: float) -> None:
         ctx.error_code = "stream_broken"
 
 
-async def race(work: Awaitable[T], receive: Receive) -> T:
+async def race(work: Coroutine[Any, Any, T], receive: Receive,
+               source: DisconnectSource | None = None) -> T:
     """Run ``work`` unless the client disconnects first (then cancel it: ClientGone).
 
-    ``work`` runs in the calling task; a done-callback on the disconnect watcher cancels that
-    task where it awaits. Per request this saves a second task and an ``asyncio.wait`` (its
-    futures, callbacks and sets: ~5 % of kvgate's CPU at 1 KiB in a py-spy profile)."""
+    ``work`` runs in the calling task; the disconnect cancels that task where it awaits. With
+    the server's ``source`` (middleware/h1server.py) the disconnect is a callback; without one
+    (another ASGI server, an in-process caller) a watcher task waits on ``receive``. Per
+    request this saves a second task and an ``asyncio.wait`` (its futures, callbacks and sets:
+    ~5 % of kvgate's CPU at 1 KiB in a py-spy profile), and with a source the watcher too."""
     current = asyncio.current_task()
     assert current is not None
+    if source is None:
+        return await _race_watched(work, receive, current)
+    if source.disconnected:
+        work.close()
+        raise ClientGone()
+    gone = False
+
+    def on_disconnect() -> None:
+        nonlocal gone
+        gone = True
+        current.cancel()
+
+    source.watch(on_disconnect)
+    try:
+        result = await work
+    except asyncio.CancelledError:
+        if not gone or current.uncancel() > 0:  # not ours, or also cancelled from outside
+            raise
+        raise ClientGone() from None
+    finally:
+        source.unwatch(on_disconnect)
+    if gone and current.uncancel() == 0:  # ``work`` swallowed the cancellation
+        raise ClientGone()
+    return result
+
+
+async def _race_watched(work: Coroutine[Any, Any, T], receive: Receive,
+                        current: asyncio.Task[Any]) -> T:
+    """:func:`race` with a watcher task on ``receive`` (no disconnect source)."""
     live, gone = True, False
 
     def on_disconnect(watcher: asyncio.Task[None]) -> None:

@@ -19,6 +19,7 @@ from middleware.asgi import (
     Receive,
     Scope,
     Send,
+    disconnect_source,
     header_map,
     read_body,
     send_bytes,
@@ -42,7 +43,7 @@ from middleware.pipeline import Pipeline
 from middleware.plan import MODEL_PLAN, PlanRunner
 from middleware.plugin import authenticate
 from middleware.pool import EndpointPool
-from middleware.requests import build_request, client_request_id, load_body, new_request_id
+from middleware.requests import RequestIds, build_request, client_request_id, load_body
 from middleware.states import StateMap
 from middleware.tracing import Tracing
 from middleware.types import Endpoint, InferenceRequest, Principal
@@ -107,6 +108,7 @@ class Gateway:
         self.dispatcher = Dispatcher(config, pipeline, pool, metrics, self.states, self.tracing)
         self.plans = PlanRunner(self.dispatcher)
         self.access_log = AccessLog(config.server.access_log)
+        self.request_ids = RequestIds()
         catalog = pipeline.catalog
         #: Public catalog names: metric labels for models no engine lists (provider models).
         self._catalog_models = frozenset(
@@ -132,8 +134,8 @@ class Gateway:
         ctx = RequestContext(
             adapter=adapter, send=TrackedSend(send), receive=receive,
             headers=header_map(scope), path=scope["path"], query=scope.get("query_string", b""),
-            request_id=(loop.request_id if loop and loop.request_id else new_request_id()),
-            response_headers=[], loopback=loop)
+            request_id=(loop.request_id if loop and loop.request_id else self.request_ids()),
+            response_headers=[], loopback=loop, disconnect=disconnect_source(scope))
         trace = self.tracing.start_request(ctx.headers, adapter.name)
         try:
             client_rid = ctx.client_request_id = client_request_id(ctx.headers)
@@ -258,7 +260,8 @@ class Gateway:
             self.states.count("unhealthy")
             raise NoEndpointAvailable(f"the engine holding {state_id!r} is out of rotation")
         self.states.count("hit")
-        return await race(self._forward_by_id(ctx, method, body, ep), ctx.receive)
+        return await race(self._forward_by_id(ctx, method, body, ep), ctx.receive,
+                          ctx.disconnect)
 
     async def _forward_by_id(self, ctx: RequestContext, method: str, body: bytes,
                              ep: Endpoint) -> int:

@@ -16,6 +16,9 @@ than uvicorn's httptools protocol (``bench/overhead.py`` measures both: ``kvgate
   no access log (kvgate has its own, middleware/access_log.py), no per-request
   ``asyncio.Event``: the app's ``receive`` waits on one future, created when it has to wait.
 * The response head is built in one pass over the app's headers.
+* A client that leaves is told to the app by callback: the scope extension
+  ``kvgate.disconnect`` is the exchange itself, a ``DisconnectSource`` (middleware/asgi.py),
+  so the dispatcher needs no watcher task per request on ``receive``.
 
 Behaviour kept from uvicorn's protocol: keep-alive (``timeout_keep_alive`` after a response;
 HTTP/1.0 and ``Connection: close`` close), pipelined requests answered in order (reading
@@ -46,6 +49,8 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
 from uvicorn.server import ServerState
+
+from middleware.asgi import DISCONNECT_EXTENSION
 
 log = logging.getLogger("kvgate.h1server")
 
@@ -85,7 +90,7 @@ class _Exchange:
 
     __slots__ = ("chunked", "chunks", "complete", "conn", "disconnected", "expect_continue",
                  "head_only", "keep_alive", "more_body", "remaining", "scope", "started",
-                 "taken", "waiters")
+                 "taken", "waiters", "watchers")
 
     def __init__(self, conn: H1Protocol, scope: dict[str, Any], keep_alive: bool,
                  expect_continue: bool) -> None:
@@ -102,6 +107,25 @@ class _Exchange:
         self.remaining = 0  # response bytes still owed under a content-length
         #: one future per ``receive`` call waiting (usually one; any number may wait)
         self.waiters: list[asyncio.Future[None]] = []
+        #: disconnect callbacks (middleware/asgi.py ``DisconnectSource``)
+        self.watchers: list[Callable[[], None]] = []
+        scope["extensions"] = {DISCONNECT_EXTENSION: self}
+
+    # -- DisconnectSource (middleware/asgi.py) ---------------------------------------------------
+    def watch(self, callback: Callable[[], None]) -> None:
+        self.watchers.append(callback)
+
+    def unwatch(self, callback: Callable[[], None]) -> None:
+        if callback in self.watchers:
+            self.watchers.remove(callback)
+
+    def gone(self) -> None:
+        """The client disconnected before the response completed."""
+        self.disconnected = True
+        self.wake()
+        watchers, self.watchers = self.watchers, []
+        for callback in watchers:
+            callback()
 
     def wake(self) -> None:
         waiters = self.waiters
@@ -272,8 +296,7 @@ class H1Protocol(asyncio.Protocol):
         self.state.connections.discard(self)
         for ex in (self.current, *self.queue):
             if ex is not None and not ex.complete:
-                ex.disconnected = True
-                ex.wake()
+                ex.gone()
         self.resume_writing()
         self._cancel_idle()
         if exc is None:

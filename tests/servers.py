@@ -23,8 +23,11 @@ __all__ = ["REDIS_SERVER", "RedisServer", "free_port", "running_process", "serve
 
 
 @contextlib.asynccontextmanager
-async def serve_asgi(app: Any, lifespan: Literal["on", "off"] = "on") -> AsyncIterator[str]:
+async def serve_asgi(app: Any, lifespan: Literal["on", "off"] = "on",
+                     http: str = "httptools") -> AsyncIterator[str]:
     """Serve ``app`` with uvicorn on a free loopback port in this loop; yields its base URL.
+    ``http``: uvicorn's protocol name, or a class path such as kvgate's own
+    ``middleware.cli.HTTP_FRONTS["kvgate"]`` (what ``kvgate serve`` runs).
 
     A startup failure is re-raised; leaving the block stops the server and closes the socket.
     """
@@ -33,7 +36,7 @@ async def serve_asgi(app: Any, lifespan: Literal["on", "off"] = "on") -> AsyncIt
     sock.listen(128)
     sock.setblocking(False)
     server = uvicorn.Server(uvicorn.Config(app, lifespan=lifespan, log_level="warning",
-                                           access_log=False, http="httptools"))
+                                           access_log=False, http=http))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         while not server.started:

@@ -69,8 +69,10 @@ async def gw(fleet: list[RunningSim]) -> AsyncIterator[tuple[KvgateApp, httpx.As
 
 
 @contextlib.asynccontextmanager
-async def serve_gateway(data: dict[str, Any]) -> AsyncIterator[tuple[KvgateApp, str]]:
-    """The gateway served by uvicorn on a free loopback port in this event loop."""
+async def serve_gateway(data: dict[str, Any], http: str = "httptools",
+                        ) -> AsyncIterator[tuple[KvgateApp, str]]:
+    """The gateway served by uvicorn on a free loopback port in this event loop (``http``:
+    the HTTP protocol, as :func:`tests.servers.serve_asgi`)."""
     app = create_app(parse_config(data, "test"))
-    async with serve_asgi(app) as url:
+    async with serve_asgi(app, http=http) as url:
         yield app, url

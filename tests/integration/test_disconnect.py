@@ -8,6 +8,7 @@ from collections.abc import Callable
 import aiohttp
 import pytest
 
+from middleware.cli import HTTP_FRONTS
 from tests.integration.conftest import gateway_config, serve_gateway, sim_fleet
 
 
@@ -19,12 +20,16 @@ async def _wait(predicate: Callable[[], bool], limit_s: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
+@pytest.mark.parametrize("front", sorted(HTTP_FRONTS))
 @pytest.mark.parametrize("stream", [True, False])
-async def test_client_disconnect_aborts_engine_request(stream: bool) -> None:
+async def test_client_disconnect_aborts_engine_request(stream: bool, front: str) -> None:
+    """Through both HTTP fronts of ``kvgate serve``: kvgate's own tells the dispatcher of the
+    disconnect by callback (middleware/asgi.py ``DisconnectSource``), uvicorn's through
+    ``receive``."""
     # time_scale 1: a 2,000-token answer takes ~10 s on the simulated H100, so it is still
     # running when the client goes away
     async with sim_fleet(1, time_scale=1.0) as sims, \
-            serve_gateway(gateway_config([sims[0].url])) as (app, url):
+            serve_gateway(gateway_config([sims[0].url]), HTTP_FRONTS[front]) as (app, url):
         engine = sims[0].engine
         body = {"model": "sim-model", "max_tokens": 2000, "stream": stream,
                 "ignore_eos": True, "messages": [{"role": "user", "content": "go on"}]}

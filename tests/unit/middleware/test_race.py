@@ -1,15 +1,20 @@
 """middleware.dispatch.race: the work runs in the caller's task; a client disconnect cancels it
-where it awaits (ClientGone), the caller's own cancellation stays a cancellation."""
+where it awaits (ClientGone), the caller's own cancellation stays a cancellation. Each case
+runs with both ways of learning of the disconnect: a watcher on ``receive`` and the server's
+:class:`~middleware.asgi.DisconnectSource` callback (kvgate's own HTTP server)."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import pytest
 
 from middleware.asgi import ClientGone
 from middleware.dispatch import race
+
+T = TypeVar("T")
 
 
 def _receiver(disconnect: asyncio.Event) -> Any:
@@ -19,19 +24,58 @@ def _receiver(disconnect: asyncio.Event) -> Any:
     return receive
 
 
-async def test_the_work_result_is_returned_in_the_calling_task() -> None:
+class _Source:
+    """A DisconnectSource whose client leaves when ``event`` is set."""
+
+    def __init__(self, event: asyncio.Event) -> None:
+        self.disconnected = False
+        self.watchers: list[Callable[[], None]] = []
+        self._waiter = asyncio.ensure_future(self._leave(event))
+
+    async def _leave(self, event: asyncio.Event) -> None:
+        await event.wait()
+        self.disconnected = True
+        watchers, self.watchers = self.watchers, []
+        for callback in watchers:
+            callback()
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        self.watchers.append(callback)
+
+    def unwatch(self, callback: Callable[[], None]) -> None:
+        if callback in self.watchers:
+            self.watchers.remove(callback)
+
+
+async def _race(kind: str, work: Coroutine[Any, Any, T], disconnect: asyncio.Event) -> T:
+    if kind == "receive":
+        return await race(work, _receiver(disconnect))
+    source = _Source(disconnect)
+    try:
+        return await race(work, _receiver(asyncio.Event()), source)
+    finally:
+        assert source.watchers == []  # unwatched on every outcome
+        source._waiter.cancel()
+
+
+KINDS = ["receive", "source"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_the_work_result_is_returned_in_the_calling_task(kind: str) -> None:
     caller = asyncio.current_task()
 
     async def work() -> object:
         return asyncio.current_task()
 
-    assert await race(work(), _receiver(asyncio.Event())) is caller
+    assert await _race(kind, work(), asyncio.Event()) is caller
     await asyncio.sleep(0)  # the watcher's cancellation settles
     assert caller is not None and caller.cancelling() == 0
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("swallow", [False, True])
-async def test_a_disconnect_cancels_the_work(swallow: bool) -> None:
+async def test_a_disconnect_cancels_the_work(swallow: bool, kind: str) -> None:
     gone = asyncio.Event()
     cleaned: list[str] = []
 
@@ -46,14 +90,15 @@ async def test_a_disconnect_cancels_the_work(swallow: bool) -> None:
         return "finished"
 
     with pytest.raises(ClientGone):
-        await race(work(), _receiver(gone))
+        await _race(kind, work(), gone)
     assert cleaned == ["cancelled"]
     caller = asyncio.current_task()
     assert caller is not None and caller.cancelling() == 0
     await asyncio.sleep(0)  # still usable: no cancellation left pending
 
 
-async def test_the_callers_own_cancellation_is_not_a_disconnect() -> None:
+@pytest.mark.parametrize("kind", KINDS)
+async def test_the_callers_own_cancellation_is_not_a_disconnect(kind: str) -> None:
     started = asyncio.Event()
 
     async def work() -> None:
@@ -61,7 +106,7 @@ async def test_the_callers_own_cancellation_is_not_a_disconnect() -> None:
         await asyncio.sleep(30)
 
     async def caller() -> None:
-        await race(work(), _receiver(asyncio.Event()))
+        await _race(kind, work(), asyncio.Event())
 
     task = asyncio.ensure_future(caller())
     await started.wait()
@@ -69,3 +114,18 @@ async def test_the_callers_own_cancellation_is_not_a_disconnect() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert task.cancelled()
+
+
+async def test_a_client_already_gone_never_starts_the_work() -> None:
+    left = asyncio.Event()
+    left.set()
+    source = _Source(left)
+    await asyncio.sleep(0)  # the client's leaving is noticed
+    ran: list[str] = []
+
+    async def work() -> None:
+        ran.append("ran")
+
+    with pytest.raises(ClientGone):
+        await race(work(), _receiver(asyncio.Event()), source)
+    assert ran == [] and source.watchers == []

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from middleware.errors import BadRequest
-from middleware.requests import client_request_id, new_request_id, parse_request
+from middleware.requests import RequestIds, client_request_id, parse_request
 from middleware.types import Api
 
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -86,5 +86,9 @@ def test_client_request_id(given: str, ok: bool) -> None:
 
 def test_request_ids() -> None:
     assert client_request_id({}) is None
-    ids = {new_request_id() for _ in range(100)}
-    assert len(ids) == 100 and all(len(i) == 32 for i in ids)
+    new_id = RequestIds()
+    count = 2 * RequestIds.BATCH + 7  # across two refills of the random bytes
+    ids = {new_id() for _ in range(count)}
+    assert len(ids) == count
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+    assert {RequestIds()() for _ in range(50)}.isdisjoint(ids)  # another gateway's ids
