@@ -15,7 +15,9 @@ than uvicorn's httptools protocol (``bench/overhead.py`` measures both: ``kvgate
 * No proxy-headers middleware (kvgate reads neither ``client`` nor ``scheme`` from the scope),
   no access log (kvgate has its own, middleware/access_log.py), no per-request
   ``asyncio.Event``: the app's ``receive`` waits on one future, created when it has to wait.
-* The response head is built in one pass over the app's headers.
+* The response head is built in one pass over the app's headers; a response with a
+  content-length sends its head with the first body bytes, in one write (one syscall instead
+  of two for a JSON answer).
 * A client that leaves is told to the app by callback: the scope extension
   ``kvgate.disconnect`` is the exchange itself, a ``DisconnectSource`` (middleware/asgi.py),
   so the dispatcher needs no watcher task per request on ``receive``.
@@ -89,7 +91,7 @@ class _Exchange:
     """One request and its response on a connection: the app's ``receive`` and ``send``."""
 
     __slots__ = ("chunked", "chunks", "complete", "conn", "disconnected", "expect_continue",
-                 "head_only", "keep_alive", "more_body", "remaining", "scope", "started",
+                 "head", "head_only", "keep_alive", "more_body", "remaining", "scope", "started",
                  "taken", "waiters", "watchers")
 
     def __init__(self, conn: H1Protocol, scope: dict[str, Any], keep_alive: bool,
@@ -105,6 +107,8 @@ class _Exchange:
         self.started = self.complete = self.disconnected = False
         self.chunked = False
         self.remaining = 0  # response bytes still owed under a content-length
+        #: a content-length response's head, held to go out with its body in one write
+        self.head = b""
         #: one future per ``receive`` call waiting (usually one; any number may wait)
         self.waiters: list[asyncio.Future[None]] = []
         #: disconnect callbacks (middleware/asgi.py ``DisconnectSource``)
@@ -211,7 +215,10 @@ class _Exchange:
         self.started = True  # after the checks: a refused head can still become a 500
         self.expect_continue = False
         out.append(b"\r\n")
-        self.conn.transport.write(b"".join(out))
+        if self.remaining and not self.head_only:  # the body follows: one write for both
+            self.head = b"".join(out)
+        else:
+            self.conn.transport.write(b"".join(out))
 
     def _body(self, body: bytes, more: bool) -> None:
         transport = self.conn.transport
@@ -226,7 +233,11 @@ class _Exchange:
             if len(body) > self.remaining:
                 raise RuntimeError("response longer than its content-length")
             self.remaining -= len(body)
-            transport.write(body)
+            if self.head:
+                transport.writelines((self.head, body))
+                self.head = b""
+            else:
+                transport.write(body)
         if not more:
             if self.remaining:
                 raise RuntimeError("response shorter than its content-length")

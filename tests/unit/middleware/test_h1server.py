@@ -16,6 +16,7 @@ import uvicorn
 import uvloop
 
 from middleware import cli
+from middleware.asgi import DISCONNECT_EXTENSION
 from middleware.h1server import BODY_HIGH_WATER, H1Protocol
 
 #: Safety net for waits on events (a hung test fails instead of blocking the suite).
@@ -49,6 +50,20 @@ class App:
             cancelled.cancel()
             assert [(await w)["type"] for w in watchers] == ["http.disconnect"] * 2
             self.disconnected.set()
+            return
+        if path == "/watch":  # the DisconnectSource of the scope (middleware/asgi.py)
+            source = scope["extensions"][DISCONNECT_EXTENSION]
+            source.watch(self.disconnected.set)
+            await self.disconnected.wait()
+            assert source.disconnected
+            return
+        if path == "/late-body":  # content-length head first, the body later in two parts
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-length", str(len(body)).encode())]})
+            await self.release.wait()
+            half = len(body) // 2
+            await send({"type": "http.response.body", "body": body[:half], "more_body": True})
+            await send({"type": "http.response.body", "body": body[half:]})
             return
         if path == "/slow":
             await self.release.wait()
@@ -223,6 +238,32 @@ async def test_client_leaving_is_an_http_disconnect() -> None:
     assert app.messages["/wait-disconnect"][0]["body"] == b"body"
 
 
+async def test_client_leaving_calls_the_disconnect_source() -> None:
+    app = App()
+    async with served(app) as (port, _):
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(post("/watch", b"body"))
+        await until(lambda: "/watch" in app.messages)
+        writer.close()
+        await asyncio.wait_for(app.disconnected.wait(), WAIT_S)
+
+
+async def test_a_held_head_goes_out_with_its_late_body() -> None:
+    """A content-length head waits for its body (one write for both); the body may come
+    later and in parts, and the connection is kept alive for the next request."""
+    app = App()
+    async with served(app) as (port, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(post("/late-body", b"abcdef") + post("/echo", b"next"))
+        await until(lambda: "/late-body" in app.messages)
+        app.release.set()
+        first = await asyncio.wait_for(read_response(reader), WAIT_S)
+        second = await asyncio.wait_for(read_response(reader), WAIT_S)
+        writer.close()
+    assert (first[0], first[1]["content-length"], first[2]) == (200, "6", b"abcdef")
+    assert (second[0], second[2]) == (200, b"next")
+
+
 async def test_streamed_response_waits_for_a_slow_reader() -> None:
     """64 chunks of 256 KiB to a client that does not read: ``send`` blocks on the paused
     transport (the app stops part way), then everything arrives once the client reads."""
@@ -278,6 +319,8 @@ def test_kvgate_serve_runs_the_chosen_front(monkeypatch: pytest.MonkeyPatch, arg
     test_keep_alive_and_pipelined_requests_answer_in_order,
     test_streamed_response_waits_for_a_slow_reader,
     test_client_leaving_is_an_http_disconnect,
+    test_client_leaving_calls_the_disconnect_source,
+    test_a_held_head_goes_out_with_its_late_body,
     test_graceful_shutdown_finishes_the_request_in_flight,
 ])
 def test_on_uvloop(scenario: Callable[[], Awaitable[None]]) -> None:
