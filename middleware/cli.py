@@ -114,7 +114,9 @@ def quick_start(args: argparse.Namespace) -> QuickStart:
         found = discover_tokenizer(urls[0])
         if found is None:
             log.warning("KV events are configured but no tokenizer was given or found from "
-                        "the model (--tokenizer DIR): routing stays approximate")
+                        "the model (--tokenizer DIR): text prompts are routed on the gateway's "
+                        "own record (approximate); only prompts sent as token ids match the "
+                        "engines' KV events (precise)")
         else:
             log.info("tokenizer found from the model: %s", found)
         qs = dataclasses.replace(qs, tokenizer=found)

@@ -105,7 +105,7 @@ def test_tokenizer_found_from_the_models_root(
     assert cli.quick_start(args).tokenizer == str(model)
 
 
-def test_no_tokenizer_found_warns_and_stays_approximate(
+def test_no_tokenizer_found_warns_that_text_prompts_stay_approximate(
     engine_models: tuple[str, dict[str, Any]], caplog: pytest.LogCaptureFixture
 ) -> None:
     url, payload = engine_models
@@ -113,7 +113,8 @@ def test_no_tokenizer_found_warns_and_stays_approximate(
     args = cli.build_parser().parse_args(["serve", "--engine", url, "--kv-events", "tcp://*:5"])
     with caplog.at_level(logging.WARNING, logger="kvgate.cli"):
         assert cli.quick_start(args).tokenizer is None
-    assert "routing stays approximate" in caplog.text
+    assert "text prompts are routed on the gateway's own record (approximate)" in caplog.text
+    assert "only prompts sent as token ids match the engines' KV events" in caplog.text
     assert discover_tokenizer("http://127.0.0.1:9") is None  # nothing listens
 
 
