@@ -118,6 +118,12 @@ class FleetSpec(BaseModel):
     #: First port of the engines' KV-event publishers: each engine binds ``tcp://*:<port>``,
     #: the n-th engine on a host ``kv_events_port + n`` (5557: vLLM's default endpoint).
     kv_events_port: int = Field(5557, ge=1, le=65535)
+    #: First port of the vLLM engines' KV-event replay sockets (vLLM's ``replay_endpoint``:
+    #: the last 10,000 batches, asked for by the gateway on a lost batch and at first contact
+    #: for the history), counted up per host like ``kv_events_port``; 200 above it keeps
+    #: clear of the publishers' and the NIXL side channels' (5600 + i) ranges. ``None``: no
+    #: replay socket. SGLang engines get none (their publisher is not configured with one).
+    kv_events_replay_port: int | None = Field(5757, ge=1, le=65535)
     #: The model's folder *on the gateway host* (tokenizer.json + chat template): with it the
     #: gateway matches the engines' KV events exactly; without it routing is approximate.
     tokenizer: str | None = None
@@ -158,11 +164,22 @@ def kv_events_ports(fleet: FleetSpec) -> dict[tuple[str, int], int]:
     return ports
 
 
-def _kv_events_config(port: int) -> str:
+def replay_port(fleet: FleetSpec, events_port: int) -> int | None:
+    """The replay socket's port of the vLLM engine publishing on ``events_port`` (None: off)."""
+    if fleet.kv_events_replay_port is None or fleet.protocol == "sglang":
+        return None
+    return fleet.kv_events_replay_port + events_port - fleet.kv_events_port
+
+
+def _kv_events_config(port: int, replay: int | None = None) -> str:
     """Prefix-cache events published on ``tcp://*:<port>`` with the engine's default (empty)
-    topic: the gateway connects one socket per engine, so no topic convention is needed."""
-    return _compact({"enable_kv_cache_events": True, "publisher": "zmq",
-                     "endpoint": f"tcp://*:{port}"})
+    topic: the gateway connects one socket per engine, so no topic convention is needed;
+    with ``replay``, vLLM's replay socket on ``tcp://*:<replay>``."""
+    config: dict[str, Any] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                              "endpoint": f"tcp://*:{port}"}
+    if replay is not None:
+        config["replay_endpoint"] = f"tcp://*:{replay}"
+    return _compact(config)
 
 
 def _vllm(
@@ -171,7 +188,8 @@ def _vllm(
     transfer = [] if kv_config is None else ["--kv-transfer-config", _compact(kv_config)]
     args = ["vllm", "serve", fleet.model, "--host", "0.0.0.0", "--port", str(spec.port),
             "--enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--kv-events-config", _kv_events_config(events), *transfer,
+            "--kv-events-config", _kv_events_config(events, replay_port(fleet, events)),
+            *transfer,
             *_tool_args(fleet, auto_flag=True), *fleet.engine_args, *spec.args]
     return shlex.join(args)
 
@@ -318,6 +336,9 @@ def _gateway_config(fleet: FleetSpec) -> str:
         decode=tuple(f"http://{s.host}:{s.port}" for s in fleet.pools.decode),
         kv_events=tuple(f"tcp://{spec.host}:{ports[(role, i)]}"
                         for role, specs in pools for i, spec in enumerate(specs)),
+        kv_events_replay=tuple(f"tcp://{spec.host}:{replay_port(fleet, ports[(role, i)])}"
+                               for role, specs in pools for i, spec in enumerate(specs)
+                               if replay_port(fleet, ports[(role, i)]) is not None),
         tokenizer=fleet.tokenizer,
         server={"host": fleet.gateway.host, "port": fleet.gateway.port},
     )

@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from engines.deploy import FleetSpec, _gateway_config, _side_port, engine_launch
+from engines.deploy import FleetSpec, _gateway_config, _side_port, engine_launch, replay_port
 from engines.k8s_spec import KubernetesSpec
 from middleware.errors import ConfigError
 
@@ -140,11 +140,15 @@ def _engine_container(fleet: FleetSpec, role: str) -> Obj:
         env.append(_secret_env("HF_TOKEN", k.hf_token, optional=True))
     side = _side_port(k8s_fleet(fleet).pools.of(role)[0], fleet.protocol, 0)
     probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10}
+    ports = [{"name": "http", "containerPort": spec.port},
+             {"name": "kv-events", "containerPort": fleet.kv_events_port},
+             {"name": "side", "containerPort": side}]
+    replay = replay_port(fleet, fleet.kv_events_port)
+    if replay is not None:
+        ports.insert(2, {"name": "kv-replay", "containerPort": replay})
     return {
         "name": "engine", "image": k.engine_image, "command": command, "env": env,
-        "ports": [{"name": "http", "containerPort": spec.port},
-                  {"name": "kv-events", "containerPort": fleet.kv_events_port},
-                  {"name": "side", "containerPort": side}],
+        "ports": ports,
         "resources": {"limits": {"nvidia.com/gpu": len(spec.gpus.split(","))}},
         # Loading a model takes minutes: the startup probe allows 30 min before liveness.
         "startupProbe": {**probe, "failureThreshold": 180},

@@ -107,6 +107,7 @@ def quick_start(args: argparse.Namespace) -> QuickStart:
         engines=tuple(args.engine or ()), prefill=tuple(args.prefill or ()),
         decode=tuple(args.decode or ()), pd_protocol=args.pd_protocol,
         kv_events=tuple(args.kv_events or ()), kv_events_bind=args.kv_events_bind,
+        kv_events_replay=tuple(args.kv_events_replay or ()),
         tokenizer=args.tokenizer, server=server,
     )
     if qs.has_events and qs.tokenizer is None:
@@ -128,9 +129,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if bool(args.config) == quick:
         raise ConfigError("kvgate serve: give either --config FILE, at least one --engine URL, "
                           "or --prefill URL ... --decode URL ...")
-    if args.config and (args.kv_events or args.kv_events_bind or args.tokenizer):
-        raise ConfigError("--kv-events, --kv-events-bind and --tokenizer are quick-start flags: "
-                          "with --config, set them in the file (docs/config.md)")
+    if args.config and (args.kv_events or args.kv_events_bind or args.kv_events_replay
+                        or args.tokenizer):
+        raise ConfigError("--kv-events, --kv-events-bind, --kv-events-replay and --tokenizer "
+                          "are quick-start flags: with --config, set them in the file "
+                          "(docs/config.md)")
     if args.workers > 1 and args.kv_events_bind:
         raise ConfigError("--kv-events-bind binds one address, which one process only can do: "
                           "with --workers > 1 let the engines bind and give --kv-events ADDR "
@@ -180,6 +183,10 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--kv-events-bind", metavar="ADDR",
                    help="the gateway binds this ZMQ address and the engines connect to it "
                    "(their topics must be kv@<engine name>: engine-0, prefill-0, ...)")
+    p.add_argument("--kv-events-replay", action="append", metavar="ADDR",
+                   help="the engines' KV-event replay sockets (vLLM's replay_endpoint), given "
+                   "like --kv-events: lost batches and the history before the gateway "
+                   "listened are asked for there")
     p.add_argument("--tokenizer", metavar="DIR",
                    help="the model's folder (tokenizer.json + chat template) for exact token "
                    "ids; with KV events and no --tokenizer, it is looked for from the model")

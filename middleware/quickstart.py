@@ -33,8 +33,11 @@ class QuickStart:
     ones), or a single address for all of them whose ``*`` host stands for each engine's own
     host (every engine binds the same port: ``tcp://*:5557``). ``kv_events_bind``: the gateway
     binds this address and the engines connect to it (then their topics must be
-    ``kv@<engine name>``). ``tokenizer``: the model's folder (tokenizer.json + chat template)
-    for exact token ids; without it routing works on pseudo-tokens (approximate).
+    ``kv@<engine name>``). ``kv_events_replay``: the engines' replay sockets (vLLM's
+    ``replay_endpoint``), given like ``kv_events``: lost batches are asked for there, and the
+    history at first contact (docs/plugins/kv-events.md). ``tokenizer``: the model's folder
+    (tokenizer.json + chat template) for exact token ids; without it routing works on
+    pseudo-tokens (approximate).
     """
 
     engines: tuple[str, ...] = ()
@@ -43,6 +46,7 @@ class QuickStart:
     pd_protocol: str = "nixl"
     kv_events: tuple[str, ...] = ()
     kv_events_bind: str | None = None
+    kv_events_replay: tuple[str, ...] = ()
     tokenizer: str | None = None
     kind: str = "vllm"
     server: Mapping[str, Any] = field(default_factory=dict)
@@ -67,30 +71,35 @@ class QuickStart:
             named += [(f"decode-{i}", u, "decode") for i, u in enumerate(self.decode)]
         else:
             named = [(f"engine-{i}", u, "both") for i, u in enumerate(self.engines)]
-        events = self._events_per_engine(len(named))
+        events = _per_engine(self.kv_events, len(named), "--kv-events")
+        replays = _per_engine(self.kv_events_replay, len(named), "--kv-events-replay")
         out = []
-        for (name, url, role), address in zip(named, events, strict=True):
+        for (name, url, role), address, replay in zip(named, events, replays, strict=True):
             entry: dict[str, Any] = {"name": name, "url": url, "kind": self.kind, "role": role}
             if address:
                 entry["kv_events"] = address
+            if replay:
+                entry["kv_events_replay"] = replay
             out.append(entry)
         return out
 
-    def _events_per_engine(self, count: int) -> list[str | None]:
-        if not self.kv_events:
-            return [None] * count
-        if len(self.kv_events) == 1 and count > 1:
-            if "://*:" not in self.kv_events[0]:
-                raise ConfigError(
-                    "one --kv-events address for several engines must use the '*' host "
-                    "(tcp://*:PORT: each engine binds PORT on its own host); otherwise give "
-                    "one --kv-events per engine, in --engine order"
-                )
-            return [self.kv_events[0]] * count
-        if len(self.kv_events) != count:
-            raise ConfigError(f"{len(self.kv_events)} --kv-events addresses for {count} engines: "
-                              "give one per engine (in order) or one tcp://*:PORT for all")
-        return list(self.kv_events)
+
+def _per_engine(addresses: tuple[str, ...], count: int, flag: str) -> list[str | None]:
+    """One address per engine: as given (in engine order), or one ``tcp://*:PORT`` for all."""
+    if not addresses:
+        return [None] * count
+    if len(addresses) == 1 and count > 1:
+        if "://*:" not in addresses[0]:
+            raise ConfigError(
+                f"one {flag} address for several engines must use the '*' host "
+                "(tcp://*:PORT: each engine binds PORT on its own host); otherwise give "
+                f"one {flag} per engine, in --engine order"
+            )
+        return [addresses[0]] * count
+    if len(addresses) != count:
+        raise ConfigError(f"{len(addresses)} {flag} addresses for {count} engines: "
+                          "give one per engine (in order) or one tcp://*:PORT for all")
+    return list(addresses)
 
 
 def presets() -> dict[str, Preset]:

@@ -21,7 +21,12 @@ is applied. A jump (lost batches) is filled from the engine's replay socket when
 configured (``kv_events_replay``): the batches arriving meanwhile are held, the missing ones
 asked for, and all applied in order; if the replay cannot fill it (buffer too short, no answer
 within ``replay_timeout_s``), or without a replay socket, the rank's entries are reset as for a
-restart. Malformed frames and events are counted and skipped. Counters live in
+restart. At first contact with a (engine, rank) whose first batch is not its first ever
+(``seq`` > 0: the gateway joined or restarted after the engine started), the same replay
+socket is asked for the engine's history (``history``: every batch it still buffers), so the
+blocks cached before the gateway listened are indexed too; without a replay socket, or when it
+cannot answer, the index starts from that batch as before (``history`` counter ``failed``).
+Malformed frames and events are counted and skipped. Counters live in
 :attr:`KvEventsSubscriber.stats`; :meth:`KvEventsSubscriber.collector` exports them and the
 states to the app's Prometheus registry; :meth:`KvEventsSubscriber.health` is its ``/health``
 section.
@@ -33,13 +38,12 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Coroutine, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import zmq
 import zmq.asyncio
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -50,6 +54,7 @@ from middleware.types import Endpoint
 from plugins.kv_health import HealthParams, IndexHealth, Source
 from plugins.kv_index import HashingError, KvIndex, holder_id
 from plugins.kv_replay import PendingGap, ReplayFailed, fetch_replay
+from plugins.kv_stats import KvEventsStats, StatsCollector
 from plugins.kv_wire import (
     MAX_DP_RANK,
     AllBlocksCleared,
@@ -64,7 +69,7 @@ from plugins.kv_wire import (
     offset_port,
     topic_engine,
 )
-from plugins.shared_tier import SHARED_HOLDER, holder_for
+from plugins.shared_tier import holder_for
 
 __all__ = [
     "MAX_DP_RANK", "AllBlocksCleared", "BlockRemoved", "BlockStored", "EventBatch",
@@ -77,28 +82,6 @@ log = logging.getLogger("kvgate.kv_events")
 #: Seconds between re-evaluations of time-based states (silence, holds, fallback) and flushes
 #: of the rate-limited unknown-topic warning: a change shows in the log within this.
 TICK_S = 0.5
-
-
-@dataclass(slots=True)
-class KvEventsStats:
-    """Monotonic counters of the subscriber (messages are ZMQ multipart messages = batches)."""
-
-    messages: int = 0
-    malformed_messages: int = 0
-    malformed_events: int = 0
-    unknown_events: int = 0
-    unknown_topics: int = 0
-    sequence_gaps: int = 0
-    sequence_restarts: int = 0
-    events_applied: dict[str, int] = field(
-        default_factory=lambda: {"BlockStored": 0, "BlockRemoved": 0, "AllBlocksCleared": 0}
-    )
-    #: Gaps asked for on a replay socket, by result (``filled`` or ``failed``: entries reset).
-    replays: dict[str, int] = field(default_factory=lambda: {"filled": 0, "failed": 0})
-
-    @property
-    def total_applied(self) -> int:
-        return sum(self.events_applied.values())
 
 
 @dataclass(slots=True)
@@ -180,6 +163,8 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
         self._links: dict[str, _Link] = {}
         self._seq: dict[tuple[str, int], int] = {}
         self._gaps: dict[tuple[str, int], PendingGap] = {}
+        #: (engine, rank) whose history was asked for (once per contact; dropped with _seq)
+        self._met: set[tuple[str, int]] = set()
         self._ctx: zmq.asyncio.Context | None = None
         self._bound: zmq.asyncio.Socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -218,6 +203,7 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
             del self._seq[key]
         for key in [k for k in self._gaps if k[0] == engine]:
             del self._gaps[key]
+        self._met = {k for k in self._met if k[0] != engine}
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -358,6 +344,10 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
             gap.hold(batch)
             return
         last = self._seq.get(key)
+        if last is None and key not in self._met:
+            self._met.add(key)
+            if batch.seq > 0 and self._start_replay(engine, batch, -1, history=True):
+                return
         holder = holder_id(engine, batch.dp_rank)
         if last is not None and batch.seq > last + 1:
             self.stats.sequence_gaps += 1
@@ -406,19 +396,24 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
         self.stats.events_applied[type(event).__name__] += 1
 
     # -- gap filling ---------------------------------------------------------------------------
-    def _start_replay(self, engine: str, batch: EventBatch, last: int) -> bool:
-        """Hold ``batch`` and ask the engine's replay socket for ``last + 1 ..``; False when
-        the engine has none (or the plugin is not running)."""
+    def _start_replay(self, engine: str, batch: EventBatch, last: int,
+                      history: bool = False) -> bool:
+        """Hold ``batch`` and ask the engine's replay socket for ``last + 1 ..`` (``history``:
+        all it buffers, at first contact); False when the engine has none (or the plugin is
+        not running)."""
         link = self._links[engine]
         if not link.replay or self._ctx is None:
+            if history:
+                self.stats.history["failed"] += 1
             return False
-        gap = PendingGap(last + 1, self.p.replay_max_batches)
+        gap = PendingGap(last + 1, self.p.replay_max_batches, history=history)
         gap.hold(batch)
         self._gaps[(engine, batch.dp_rank)] = gap
         address = offset_port(link.replay, batch.dp_rank)
-        self.health_state.gap_opened(
-            engine, f"lost KV-event batches {last + 1}..{batch.seq - 1} (rank {batch.dp_rank}); "
-            f"asking the replay socket {address}")
+        if not history:  # a history is no loss: the engine's state does not degrade
+            self.health_state.gap_opened(
+                engine, f"lost KV-event batches {last + 1}..{batch.seq - 1} "
+                f"(rank {batch.dp_rank}); asking the replay socket {address}")
         self._spawn(self._replay(engine, batch.dp_rank, gap, address), f"{engine}-replay")
         return True
 
@@ -433,6 +428,9 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
         if self._gaps.get((engine, rank)) is not gap:
             return  # the engine left the pool meanwhile
         del self._gaps[(engine, rank)]
+        if gap.history:
+            self._caught_up(engine, rank, gap, replayed, problem, address)
+            return
         batches, missing = gap.merge(replayed)
         problem = problem or missing
         holder = holder_id(engine, rank)
@@ -454,6 +452,28 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
         for batch in gap.held:  # the ordinary sequence checks (a restart resets again)
             self._accept(engine, batch)
 
+    def _caught_up(self, engine: str, rank: int, gap: PendingGap,
+                   replayed: Sequence[EventBatch], problem: str | None, address: str) -> None:
+        """Apply a first contact's history, then the batches held meanwhile (any of them the
+        history does not reach goes through the ordinary sequence checks)."""
+        holder = holder_id(engine, rank)
+        batches = gap.history_run(replayed) if problem is None else []
+        if batches:
+            self.stats.history["caught_up"] += 1
+            log.info("kv events: %s caught up on %d batches of history (seq %d..%d) from %s",
+                     holder, len(batches), batches[0].seq, batches[-1].seq, address)
+        else:
+            self.stats.history["failed"] += 1
+            log.warning("kv events: %s: no history from the replay socket (%s); the index "
+                        "starts from its first live batch", holder,
+                        problem or "nothing buffered")
+        for batch in batches:
+            self._apply_batch(engine, batch)
+        applied = self._seq.get((engine, rank), -1)
+        for batch in gap.held:
+            if batch.seq > applied:
+                self._accept(engine, batch)
+
     # -- observability -------------------------------------------------------------------------
     def health(self) -> Mapping[str, object]:
         """The ``/health`` section: per-engine index states (docs/plugins/kv-events.md)."""
@@ -461,34 +481,4 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
 
     def collector(self) -> Collector:
         """A Prometheus collector of :attr:`stats`, the index size and the engines' states."""
-        return _StatsCollector(self)
-
-
-class _StatsCollector(Collector):
-    def __init__(self, sub: KvEventsSubscriber) -> None:
-        self._sub = sub
-        self._health = sub.health_state.collector()
-
-    def collect(self) -> Iterator[Metric]:
-        stats = self._sub.stats
-        for name, doc, label, counts in (
-            ("applied", "KV events applied to the index", "type", stats.events_applied),
-            ("replays", "Sequence gaps asked for on a replay socket, by result", "result",
-             stats.replays),
-        ):
-            family = CounterMetricFamily(f"kvgate_kv_events_{name}", doc, labels=[label])
-            for kind, count in counts.items():
-                family.add_metric([kind], count)
-            yield family
-        for name, value in asdict(stats).items():
-            if isinstance(value, int):
-                yield CounterMetricFamily(f"kvgate_kv_events_{name}", f"KV events: {name}",
-                                          value=value)
-        for name, value in asdict(self._sub.index.stats).items():
-            yield CounterMetricFamily(f"kvgate_kv_index_{name}", f"KV index: {name}", value=value)
-        yield GaugeMetricFamily("kvgate_kv_index_blocks", "(engine, block) pairs indexed",
-                                value=len(self._sub.index))
-        yield GaugeMetricFamily("kvgate_kv_index_shared_tier_blocks",
-                                "Blocks indexed in the fleet's shared tier (locality REMOTE)",
-                                value=self._sub.index.blocks_of(SHARED_HOLDER))
-        yield from self._health.collect()
+        return StatsCollector(self.stats, self.index, self.health_state)

@@ -68,6 +68,8 @@ class PendingGap:
 
     expected: int
     limit: int
+    #: A first contact's history (every buffered batch), not a gap: see :meth:`history_run`.
+    history: bool = False
     held: list[EventBatch] = field(default_factory=list)
     overflow: bool = False
 
@@ -96,3 +98,17 @@ class PendingGap:
             first = min(by_seq)
             return out, f"batches {seq}..{first - 1} are not in the replay buffer"
         return out, None
+
+    def history_run(self, replayed: Sequence[EventBatch]) -> list[EventBatch]:
+        """A first contact's history: the replayed batches from the oldest one buffered, in
+        order, as far as they run without a gap, joined by the held live ones that continue
+        the run (the engine's buffer rarely reaches back to ``seq`` 0; what it holds is
+        still the most recent history). Empty when the engine restarted meanwhile (a held
+        batch older than the history) or nothing was buffered."""
+        if self.overflow or not replayed:
+            return []
+        self.expected = min(b.seq for b in replayed)
+        if any(b.seq < self.expected for b in self.held):
+            return []
+        batches, _ = self.merge(replayed)
+        return batches

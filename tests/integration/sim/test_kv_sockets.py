@@ -132,3 +132,55 @@ async def test_sequence_gap_and_replay(case: str, replay: str, buffer_steps: int
         assert any("could not fill" in m for m in lines) is (result == "failed")
         if result == "filled":
             assert publisher.stats.replays == 1
+
+
+HISTORY_CASES = [
+    # (case, replay socket, buffer_steps, result, earlier prompts indexed)
+    ("caught up from the replay buffer", "sim", 10_000, "caught_up", True),
+    ("buffer of one batch: only the latest", "sim", 1, "caught_up", False),
+    ("no replay socket", None, 10_000, "failed", False),
+    ("no answer", "dead", 10_000, "failed", False),
+]
+
+
+@pytest.mark.parametrize(("case", "replay", "buffer_steps", "result", "earlier_indexed"),
+                         HISTORY_CASES, ids=[c[0] for c in HISTORY_CASES])
+async def test_history_at_first_contact(case: str, replay: str | None, buffer_steps: int,
+                                        result: str, earlier_indexed: bool) -> None:
+    """Prompts served before the gateway listened are indexed from the engine's replay buffer
+    when it first hears from the engine; otherwise the index starts from that batch."""
+    events = KvEventsConfig(endpoint="tcp://127.0.0.1:*", buffer_steps=buffer_steps,
+                            replay_endpoint="tcp://127.0.0.1:*" if replay else None)
+    address = replay if replay != "dead" else f"tcp://127.0.0.1:{free_port()}"
+    async with serve_sim(SimConfig(engine_id="sim-0", time_scale=0, seed=0,
+                                   kv_events=events)) as sim:
+        earlier = [token_prompt(40, seed=30 + i) for i in range(3)]
+        for prompt in earlier:  # published with nobody listening
+            await _complete(sim, prompt)
+        sub = KvEventsSubscriber("kv-events", KvEventsSubscriber.Params(replay_timeout_s=0.5),
+                                 NoLookup())
+        sub.on_endpoints_changed([_endpoint(0, sim, address)], [])
+        await sub.start()
+        try:
+            later = await _first_heard(sim, sub)
+            await eventually(lambda: sum(sub.stats.history.values()) == 1, 5.0)
+            assert sub.stats.history[result] == 1
+            await eventually(lambda: _held_blocks(sub, later, "e0") == 2, 5.0)
+            assert [_held_blocks(sub, p, "e0") == 2 for p in earlier] == [earlier_indexed] * 3
+            assert sub.stats.sequence_gaps == 0 and sub.stats.replays == {"filled": 0,
+                                                                          "failed": 0}
+            assert sub.health_state.state("e0") is IndexState.EXACT  # a history is no loss
+        finally:
+            await sub.stop()
+
+
+async def _first_heard(sim: RunningSim, sub: KvEventsSubscriber) -> list[int]:
+    """New prompts until one's batch reaches the subscriber (PUB drops what it sends before
+    the subscription arrives); the last prompt sent."""
+    for i in range(200):
+        prompt = token_prompt(40, seed=100 + i)
+        await _complete(sim, prompt)
+        with contextlib.suppress(AssertionError):
+            await eventually(lambda: sub.stats.messages > 0, 0.05)
+            return prompt
+    raise AssertionError("no KV events from e0")

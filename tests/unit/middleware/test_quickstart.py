@@ -35,8 +35,18 @@ def test_kv_event_addresses_per_engine(qs: QuickStart, expected: list[str | None
     assert "kv-placement-scorer" in types
 
 
+def test_replay_sockets_per_engine_from_the_flags() -> None:
+    args = cli.build_parser().parse_args([
+        "serve", "--engine", "http://a:1", "--engine", "http://b:1", "--kv-events",
+        "tcp://*:5557", "--kv-events-replay", "tcp://*:5757", "--tokenizer", "sim"])
+    config = quick_start_config(cli.quick_start(args))
+    assert [e.kv_events_replay for e in config.engines] == ["tcp://*:5757"] * 2
+
+
 @pytest.mark.parametrize(("qs", "problem"), [
     (QuickStart(engines=("http://a:1", "http://b:1"), kv_events=("tcp://a:1",)), "'\\*' host"),
+    (QuickStart(engines=("http://a:1",), kv_events=("tcp://a:1",),
+                kv_events_replay=("tcp://a:2", "tcp://b:2")), "2 --kv-events-replay"),
     (QuickStart(engines=("http://a:1",), kv_events=("tcp://a:1", "tcp://b:1")), "2 --kv-events"),
     (QuickStart(engines=("http://a:1",), prefill=("http://p:1",), decode=("http://d:1",)),
      "not both"),

@@ -40,7 +40,8 @@ export VLLM_NIXL_SIDE_CHANNEL_HOST=10.0.0.2
 export VLLM_NIXL_SIDE_CHANNEL_PORT=5600
 exec vllm serve org/model-8b --host 0.0.0.0 --port 8100 --enable-prefix-caching \
 --enable-prompt-tokens-details \
---kv-events-config '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557"}' \
+--kv-events-config \
+'{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5757"}' \
 --kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_producer"}' \
 --max-model-len 32768
 """
@@ -170,11 +171,16 @@ def test_engines_publish_kv_events_and_the_gateway_consumes_them(protocol: str) 
     """Every engine binds its own KV-event port (counting up per host); the gateway connects
     to each and routes with the cache-aware P/D preset (placement decides both hops)."""
     files = render(_fleet(protocol))
+    vllm = protocol != "sglang"  # vLLM engines also bind a replay socket (5757 + n per host)
     for name, port in (("prefill-0", 5557), ("prefill-1", 5558), ("decode-0", 5557)):
         assert f'"endpoint":"tcp://*:{port}"' in files[f"{name}.sh"]
+        assert (f'"replay_endpoint":"tcp://*:{port + 200}"' in files[f"{name}.sh"]) is vllm
     config = parse_config(yaml.safe_load(files["kvgate.yaml"]), "kvgate.yaml")
     assert [e.kv_events for e in config.engines] == [
         "tcp://10.0.0.2:5557", "tcp://10.0.0.2:5558", "tcp://10.0.0.3:5557"]
+    assert [e.kv_events_replay for e in config.engines] == (
+        ["tcp://10.0.0.2:5757", "tcp://10.0.0.2:5758", "tcp://10.0.0.3:5757"] if vllm
+        else [None] * 3)
     types = [p.type for p in config.plugins]
     assert {"kv-events", "prefix-cache-producer", "kv-placement-scorer",
             "pd-profile-handler"} <= set(types)
@@ -182,6 +188,13 @@ def test_engines_publish_kv_events_and_the_gateway_consumes_them(protocol: str) 
     for profile in config.profiles:
         weighted = [r.ref for r in profile.plugins if r.weight]
         assert weighted == ["kv-placement-scorer"], profile
+
+
+def test_no_replay_sockets_when_the_fleet_file_says_none() -> None:
+    files = render(_fleet("nixl", kv_events_replay_port=None))
+    assert "replay_endpoint" not in files["prefill-0.sh"]
+    config = parse_config(yaml.safe_load(files["kvgate.yaml"]), "kvgate.yaml")
+    assert [e.kv_events_replay for e in config.engines] == [None] * 3
 
 
 def test_gateway_tokenizer_from_the_fleet_file() -> None:
