@@ -19,8 +19,8 @@ than uvicorn's httptools protocol (``bench/overhead.py`` measures both: ``kvgate
   content-length sends its head with the first body bytes, in one write (one syscall instead
   of two for a JSON answer).
 * A client that leaves is told to the app by callback: the scope extension
-  ``kvgate.disconnect`` is the exchange itself, a ``DisconnectSource`` (middleware/asgi.py),
-  so the dispatcher needs no watcher task per request on ``receive``.
+  ``kvgate.disconnect`` is a :class:`DisconnectNotice`, a ``DisconnectSource``
+  (middleware/asgi.py), so the dispatcher needs no watcher task per request on ``receive``.
 
 Behaviour kept from uvicorn's protocol: keep-alive (``timeout_keep_alive`` after a response;
 HTTP/1.0 and ``Connection: close`` close), pipelined requests answered in order (reading
@@ -87,12 +87,35 @@ def _bad_request(message: str) -> bytes:
             b"content-length: %d\r\n\r\n" % len(body) + body)
 
 
+class DisconnectNotice:
+    """A request's ``DisconnectSource`` (middleware/asgi.py): callbacks for its client leaving."""
+
+    __slots__ = ("disconnected", "watchers")
+
+    def __init__(self) -> None:
+        self.disconnected = False
+        self.watchers: list[Callable[[], None]] = []
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        self.watchers.append(callback)
+
+    def unwatch(self, callback: Callable[[], None]) -> None:
+        if callback in self.watchers:
+            self.watchers.remove(callback)
+
+    def fire(self) -> None:
+        self.disconnected = True
+        watchers, self.watchers = self.watchers, []
+        for callback in watchers:
+            callback()
+
+
 class _Exchange:
     """One request and its response on a connection: the app's ``receive`` and ``send``."""
 
     __slots__ = ("chunked", "chunks", "complete", "conn", "disconnected", "expect_continue",
-                 "head", "head_only", "keep_alive", "more_body", "remaining", "scope", "started",
-                 "taken", "waiters", "watchers")
+                 "head", "head_only", "keep_alive", "more_body", "notice", "remaining", "scope",
+                 "started", "taken", "waiters")
 
     def __init__(self, conn: H1Protocol, scope: dict[str, Any], keep_alive: bool,
                  expect_continue: bool) -> None:
@@ -111,25 +134,16 @@ class _Exchange:
         self.head = b""
         #: one future per ``receive`` call waiting (usually one; any number may wait)
         self.waiters: list[asyncio.Future[None]] = []
-        #: disconnect callbacks (middleware/asgi.py ``DisconnectSource``)
-        self.watchers: list[Callable[[], None]] = []
-        scope["extensions"] = {DISCONNECT_EXTENSION: self}
-
-    # -- DisconnectSource (middleware/asgi.py) ---------------------------------------------------
-    def watch(self, callback: Callable[[], None]) -> None:
-        self.watchers.append(callback)
-
-    def unwatch(self, callback: Callable[[], None]) -> None:
-        if callback in self.watchers:
-            self.watchers.remove(callback)
+        #: the app's disconnect source; it holds no reference back to the exchange or the
+        #: scope, so a finished request leaves no reference cycle for the GC to collect
+        self.notice = DisconnectNotice()
+        scope["extensions"] = {DISCONNECT_EXTENSION: self.notice}
 
     def gone(self) -> None:
         """The client disconnected before the response completed."""
         self.disconnected = True
         self.wake()
-        watchers, self.watchers = self.watchers, []
-        for callback in watchers:
-            callback()
+        self.notice.fire()
 
     def wake(self) -> None:
         waiters = self.waiters

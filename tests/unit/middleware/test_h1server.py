@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import random
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,7 +18,7 @@ import uvloop
 
 from middleware import cli
 from middleware.asgi import DISCONNECT_EXTENSION
-from middleware.h1server import BODY_HIGH_WATER, H1Protocol
+from middleware.h1server import BODY_HIGH_WATER, H1Protocol, _Exchange
 
 #: Safety net for waits on events (a hung test fails instead of blocking the suite).
 WAIT_S = 10.0
@@ -246,6 +247,25 @@ async def test_client_leaving_calls_the_disconnect_source() -> None:
         await until(lambda: "/watch" in app.messages)
         writer.close()
         await asyncio.wait_for(app.disconnected.wait(), WAIT_S)
+
+
+async def test_a_finished_exchange_leaves_no_reference_cycle() -> None:
+    """Freed by reference counting alone (the GC off): an exchange kept alive by a cycle
+    (say, through its scope's disconnect source) would hold its request until a collection."""
+    app = App()
+    async with served(app) as (port, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(3):  # on one keep-alive connection: the last one is still parsed
+                writer.write(post("/echo", b"x" * 1000))
+                status, _, _ = await asyncio.wait_for(read_response(reader), WAIT_S)
+                assert status == 200
+            await until(lambda: sum(isinstance(o, _Exchange) for o in gc.get_objects()) == 1)
+        finally:
+            gc.enable()
+            writer.close()
 
 
 async def test_a_held_head_goes_out_with_its_late_body() -> None:
