@@ -45,7 +45,14 @@ from middleware.h1client import H1Client, H1Collector, host_port
 from middleware.loopback import Loopback
 from middleware.metrics import GatewayMetrics
 from middleware.pipeline import build_pipeline
-from middleware.plugin import AsgiApp, HealthSource, HttpRequest, MetricsSource, authenticate
+from middleware.plugin import (
+    AsgiApp,
+    HealthSource,
+    HttpRequest,
+    MetricsSource,
+    allowed_models,
+    authenticate,
+)
 from middleware.pool import EndpointPool
 from middleware.redact import public_view
 from middleware.registry import Registry
@@ -286,26 +293,27 @@ class KvgateApp:
         return out
 
     def _models(self, path: str, headers: dict[str, str]) -> Mapping[str, object]:
-        """``GET /v1/models[/{id}]``: from the catalog plugin if configured (authenticated then,
-        filtered by the key's allow-list), else the models the engines serve."""
+        """``GET /v1/models[/{id}]``: from the catalog plugin if configured, else the models
+        the engines serve; with an authenticator, authenticated (401) and filtered by the
+        key's allow-list, like OpenAI's own endpoint."""
         model_id = path[len(_MODELS_PREFIX):] if path.startswith(_MODELS_PREFIX) else None
+        auth = self.pipeline.authenticator
+        principal = None if auth is None else authenticate(auth, headers)
         catalog = self.pipeline.catalog
         if catalog is not None:
-            auth = self.pipeline.authenticator
-            principal = None if auth is None else authenticate(auth, headers)
             if model_id is None:
                 return {"object": "list", "data": list(catalog.list_models(principal))}
             return catalog.get_model(model_id, principal)
-        data = [
-            {"id": m, "object": "model", "created": self.started_at, "owned_by": "kvgate"}
-            for m in sorted(self.pool.models())
-        ]
+        allow = allowed_models(principal)
+        visible = sorted(m for m in self.pool.models() if allow is None or m in allow)
+        data = [{"id": m, "object": "model", "created": self.started_at, "owned_by": "kvgate"}
+                for m in visible]
         if model_id is None:
             return {"object": "list", "data": data}
         for card in data:
             if card["id"] == model_id:
                 return card
-        raise model_not_found(model_id, self.pool.models())
+        raise model_not_found(model_id, visible)
 
 
 def _routing_state(config: GatewayConfig, plugins: Mapping[str, object]

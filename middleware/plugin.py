@@ -144,6 +144,13 @@ def authenticate(auth: Authenticator, headers: Mapping[str, str]) -> Principal:
     return auth.authenticate(headers.get("authorization"), headers.get("x-api-key"))
 
 
+def allowed_models(principal: Principal | None) -> frozenset[str] | None:
+    """The principal's model allow-list (a ``models`` frozenset, as api-keys' keys carry);
+    None: every model."""
+    models = getattr(principal, "models", None)
+    return models if isinstance(models, frozenset) else None
+
+
 @runtime_checkable
 class RequestHook(Protocol):
     """Runs first for every inference request: auth, catalog, admission. May raise HTTPError."""

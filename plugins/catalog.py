@@ -57,7 +57,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from middleware.backend import DEFAULT_FALLBACK_ON, MODEL_PLAN, BackendStep, ModelPlan, PoolStep
 from middleware.errors import ConfigError, model_not_found
-from middleware.plugin import ModelCatalog, Plugin, PluginLookup, RequestHook
+from middleware.plugin import ModelCatalog, Plugin, PluginLookup, RequestHook, allowed_models
 from middleware.types import CycleState, InferenceRequest, Principal, StateKey
 from pricing.money import MILLION
 from pricing.prices import PriceBook, PriceError, load_book
@@ -206,10 +206,8 @@ def _mtok(rate: Any) -> str:
     return format((rate * MILLION).normalize(), "f")
 
 
-def allowed(principal: Principal | None) -> frozenset[str] | None:
-    """The principal's model allow-list (api-keys' ``models``); None: every model."""
-    models = getattr(principal, "models", None)
-    return models if isinstance(models, frozenset) else None
+#: The principal's model allow-list (api-keys' ``models``); None: every model.
+allowed = allowed_models
 
 
 @dataclass(frozen=True, slots=True)

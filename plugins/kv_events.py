@@ -405,6 +405,10 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
         if not link.replay or self._ctx is None:
             if history:
                 self.stats.history["failed"] += 1
+                log.warning("kv events: %s first heard at batch %d, with no replay socket "
+                            "(kv_events_replay): the blocks it cached before are unknown "
+                            "until it stores them again", holder_id(engine, batch.dp_rank),
+                            batch.seq)
             return False
         gap = PendingGap(last + 1, self.p.replay_max_batches, history=history)
         gap.hold(batch)

@@ -71,6 +71,38 @@ async def test_auth_statuses(fleet: list[RunningSim], tmp_path: Path, case: str,
             assert resp.json()["error"]["code"] == code
 
 
+MODEL_LIST_CASES = [
+    # (case, credential, status, models listed)
+    ("no key", None, 401, None),
+    ("unknown key", "Bearer kvg-nope", 401, None),
+    ("key for every model", "full", 200, ["sim-model"]),
+    ("allow-list without the engines' model", "narrow", 200, []),
+]
+
+
+@pytest.mark.parametrize(("case", "auth", "status", "listed"), MODEL_LIST_CASES,
+                         ids=[c[0] for c in MODEL_LIST_CASES])
+async def test_model_list_needs_a_key_without_a_catalog(
+        fleet: list[RunningSim], tmp_path: Path, case: str, auth: str | None, status: int,
+        listed: list[str] | None) -> None:
+    """``GET /v1/models[/{id}]`` with keys on and no catalog: 401 without a valid key (as
+    OpenAI's), and only the models the key may use."""
+    path, keys = _keys_file(tmp_path)
+    headers = {}
+    if auth is not None:
+        headers["authorization"] = f"Bearer {keys[auth]}" if auth in keys else auth
+    async with gateway(_with_auth([s.url for s in fleet], {"file": str(path)})) as (_, client):
+        resp = await client.get("/v1/models", headers=headers)
+        assert resp.status_code == status, resp.text
+        one = await client.get("/v1/models/sim-model", headers=headers)
+        if listed is None:
+            assert resp.json()["error"]["code"] == "invalid_api_key"
+            assert one.status_code == 401
+            return
+        assert [card["id"] for card in resp.json()["data"]] == listed
+        assert one.status_code == (200 if listed else 404), one.text
+
+
 async def test_disabled_auth_says_so(fleet: list[RunningSim],
                                      caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING)
