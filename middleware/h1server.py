@@ -322,6 +322,11 @@ class H1Protocol(asyncio.Protocol):
         for ex in (self.current, *self.queue):
             if ex is not None and not ex.complete:
                 ex.gone()
+        # the protocol lives on in cycles (its parser, its transport) until a GC collection:
+        # it should not keep its requests (their scopes, their bodies) alive with it; one
+        # still being answered lives as long as its task
+        self.current = self.parsing = None
+        self.queue.clear()
         self.resume_writing()
         self._cancel_idle()
         if exc is None:

