@@ -113,6 +113,35 @@ class DisconnectSource(Protocol):
         """Stop watching (no-op when ``callback`` was called or never watched)."""
 
 
+class ReceiveWatch:
+    """A :class:`DisconnectSource` over ``receive``, for servers that offer none: a watcher
+    task awaits the ``http.disconnect`` (the request body must already be consumed);
+    ``unwatch`` also stops the task."""
+
+    __slots__ = ("_callbacks", "_task")
+    disconnected = False  # learnt only through the callbacks
+
+    def __init__(self, receive: Receive) -> None:
+        self._callbacks: list[Callable[[], None]] = []
+        self._task = disconnect_watcher(receive)
+        self._task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is not None:
+            return
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        self._callbacks.append(callback)
+
+    def unwatch(self, callback: Callable[[], None]) -> None:
+        if callback in self._callbacks:
+            self._callbacks.remove(callback)
+        self._task.cancel()
+
+
 def disconnect_source(scope: Scope) -> DisconnectSource | None:
     """The server's disconnect source for ``scope``, if it offers one (else None: the
     dispatcher watches ``receive`` instead)."""

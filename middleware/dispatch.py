@@ -23,7 +23,7 @@ from middleware.asgi import (
     ClientGone,
     DisconnectSource,
     Receive,
-    disconnect_watcher,
+    ReceiveWatch,
     send_bytes,
 )
 from middleware.config import GatewayConfig
@@ -436,14 +436,14 @@ async def race(work: Coroutine[Any, Any, T], receive: Receive,
 
     ``work`` runs in the calling task; the disconnect cancels that task where it awaits. With
     the server's ``source`` (middleware/h1server.py) the disconnect is a callback; without one
-    (another ASGI server, an in-process caller) a watcher task waits on ``receive``. Per
+    (another ASGI server, an in-process caller) a :class:`ReceiveWatch` task waits on
+    ``receive``. Per
     request this saves a second task and an ``asyncio.wait`` (its futures, callbacks and sets:
     ~5 % of kvgate's CPU at 1 KiB in a py-spy profile), and with a source the watcher too."""
     current = asyncio.current_task()
     assert current is not None
-    if source is None:
-        return await _race_watched(work, receive, current)
-    if source.disconnected:
+    watch = source if source is not None else ReceiveWatch(receive)
+    if watch.disconnected:
         work.close()
         raise ClientGone()
     gone = False
@@ -453,7 +453,7 @@ async def race(work: Coroutine[Any, Any, T], receive: Receive,
         gone = True
         current.cancel()
 
-    source.watch(on_disconnect)
+    watch.watch(on_disconnect)
     try:
         result = await work
     except asyncio.CancelledError:
@@ -461,34 +461,7 @@ async def race(work: Coroutine[Any, Any, T], receive: Receive,
             raise
         raise ClientGone() from None
     finally:
-        source.unwatch(on_disconnect)
-    if gone and current.uncancel() == 0:  # ``work`` swallowed the cancellation
-        raise ClientGone()
-    return result
-
-
-async def _race_watched(work: Coroutine[Any, Any, T], receive: Receive,
-                        current: asyncio.Task[Any]) -> T:
-    """:func:`race` with a watcher task on ``receive`` (no disconnect source)."""
-    live, gone = True, False
-
-    def on_disconnect(watcher: asyncio.Task[None]) -> None:
-        nonlocal gone
-        if live and not watcher.cancelled() and watcher.exception() is None:
-            gone = True
-            current.cancel()
-
-    watcher = disconnect_watcher(receive)
-    watcher.add_done_callback(on_disconnect)
-    try:
-        result = await work
-    except asyncio.CancelledError:
-        if not gone or current.uncancel() > 0:  # not ours, or also cancelled from outside
-            raise
-        raise ClientGone() from None
-    finally:
-        live = False
-        watcher.cancel()
+        watch.unwatch(on_disconnect)
     if gone and current.uncancel() == 0:  # ``work`` swallowed the cancellation
         raise ClientGone()
     return result

@@ -51,7 +51,13 @@ from engines.local.paths import kvgate_home
 from pricing.backends import open_backend
 from pricing.records import LedgerRecord
 from tests.e2e.conftest import KVGATE
-from tests.integration.billing_helpers import ALL, Keys, expected_cost, write_keys
+from tests.integration.billing_helpers import (
+    ALL,
+    Keys,
+    expected_cost,
+    final_ledger_rows,
+    write_keys,
+)
 
 pytestmark = pytest.mark.e2e
 BLOCK = 128  # vLLM's CPU KV block size
@@ -133,24 +139,6 @@ def gateway(agent_fleet: list[LocalEngine],
         yield url, tmp, keys
 
 
-def _ledger(tmp: Path, ids: list[str]) -> dict[str, LedgerRecord]:
-    """The final ledger rows of ``ids`` (waiting for the batched writer). Billing writes each
-    request twice under one id: an early record before the answer ends (no ``ttft_s`` yet),
-    replaced by the final one when the dispatch completes; reading between the two races."""
-    deadline = time.monotonic() + 10
-    while True:
-        backend = open_backend(f"sqlite://{tmp}/ledger.sqlite")
-        try:
-            rows = {str(r.client_request_id): r for r in backend.query(*ALL)
-                    if r.client_request_id in ids and r.ttft_s is not None}
-        finally:
-            backend.close()
-        if len(rows) == len(ids) or time.monotonic() > deadline:
-            assert sorted(rows) == sorted(ids)
-            return rows
-        time.sleep(0.1)
-
-
 def _exported(tmp: Path) -> dict[str, LedgerRecord]:
     out = tmp / f"export-{uuid.uuid4().hex}.jsonl"
     subprocess.run([KVGATE, "usage", "export", "--ledger", f"sqlite://{tmp}/ledger.sqlite",
@@ -163,7 +151,7 @@ def _exported(tmp: Path) -> dict[str, LedgerRecord]:
 def _check_billing(tmp: Path, seen: dict[str, tuple[int, int, int, str | None]]) -> None:
     """Each turn's (prompt incl. cache, cached, completion, engine) as the client saw it equals
     the ledger's and the export's; the cost is the discounted formula's."""
-    rows = _ledger(tmp, list(seen))
+    rows = final_ledger_rows(tmp / "ledger.sqlite", list(seen))
     exported = _exported(tmp)
     for rid, (prompt, cached, completion, engine) in seen.items():
         r = rows[rid]

@@ -19,10 +19,15 @@ import pytest
 
 from engines.local.launcher import LocalEngine
 from engines.local.model import SERVED_NAME
-from pricing.backends import open_backend
 from pricing.records import LedgerRecord
 from tests.e2e.conftest import KVGATE, kvgate_serve, precise_plugins
-from tests.integration.billing_helpers import ALL, Keys, expected_cost, sse_events, write_keys
+from tests.integration.billing_helpers import (
+    Keys,
+    expected_cost,
+    final_ledger_rows,
+    sse_events,
+    write_keys,
+)
 
 pytestmark = pytest.mark.e2e
 BLOCK = 128  # vLLM's CPU KV block size
@@ -100,24 +105,6 @@ def _usage_api(url: str, keys: Keys, expect: int) -> dict[str, Any]:
         time.sleep(0.1)
 
 
-def _final_rows(tmp: Path, ids: list[str]) -> dict[str, LedgerRecord]:
-    """The final ledger rows of ``ids``. Billing writes each request twice under one id: an
-    early record before the answer ends (no ``ttft_s`` yet), replaced by the final one when
-    the dispatch completes, after the client has its answer; reading between the two races."""
-    deadline = time.monotonic() + 10
-    while True:
-        backend = open_backend(f"sqlite://{tmp}/ledger.sqlite")
-        try:
-            rows = {str(r.client_request_id): r for r in backend.query(*ALL)
-                    if r.client_request_id in ids and r.ttft_s is not None}
-        finally:
-            backend.close()
-        if len(rows) == len(ids) or time.monotonic() > deadline:
-            assert sorted(rows) == sorted(ids)
-            return rows
-        time.sleep(0.1)
-
-
 def test_multi_turn_session_is_billed_with_reported_cached_tokens(
         billed: tuple[str, Path, Keys]) -> None:
     url, tmp, keys = billed
@@ -131,7 +118,7 @@ def test_multi_turn_session_is_billed_with_reported_cached_tokens(
             headers[f"turn-{i}"] = resp.headers["x-kvgate-cost-usd"]
             usage = resp.json()["usage"]
             headers[f"usage-{i}"] = json.dumps(usage)
-    rows = _final_rows(tmp, [f"turn-{i}" for i in range(len(TURNS))])
+    rows = final_ledger_rows(tmp / "ledger.sqlite", [f"turn-{i}" for i in range(len(TURNS))])
     page = _usage_api(url, keys, len(TURNS))
     for rid, r in sorted(rows.items()):
         print(f"{rid}: engine {r.engine}, prompt {r.prompt_tokens}, cached {r.cached_tokens}, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import time
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -15,6 +16,7 @@ import yaml
 from middleware.app import KvgateApp
 from plugins.auth import hash_key, new_key
 from plugins.billing import Billing
+from pricing.backends import open_backend
 from pricing.records import LedgerRecord
 from tests.integration.conftest import gateway_config
 
@@ -109,6 +111,26 @@ async def ledger_rows(app: KvgateApp) -> dict[str, LedgerRecord]:
     by_id = {r.client_request_id or r.request_id: r for r in rows}
     assert len(by_id) == len(rows), "a test reused a client request id"
     return by_id
+
+
+def final_ledger_rows(ledger: Path, ids: list[str], limit_s: float = 10.0,
+                      ) -> dict[str, LedgerRecord]:
+    """The final rows of the SQLite ``ledger`` by client request id, for ``ids``. Billing
+    writes each request twice under one id: an early record before the answer ends (no
+    ``ttft_s`` yet), replaced by the final one when the dispatch completes, after the client
+    has its answer (and the writer batches): reading between the two races."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        backend = open_backend(f"sqlite://{ledger}")
+        try:
+            rows = {str(r.client_request_id): r for r in backend.query(*ALL)
+                    if r.client_request_id in ids and r.ttft_s is not None}
+        finally:
+            backend.close()
+        if len(rows) == len(ids) or time.monotonic() > deadline:
+            assert sorted(rows) == sorted(ids)
+            return rows
+        time.sleep(0.1)
 
 
 def sse_events(text: str) -> list[Any]:
