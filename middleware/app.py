@@ -97,14 +97,14 @@ class KvgateApp:
         self.pool = EndpointPool(
             config.engines, self.pipeline.adapters, config.pool, self.pipeline.listeners
         )
-        self.metrics = GatewayMetrics(self.pool.snapshot)
+        self.metrics = GatewayMetrics(self.pool.snapshot, config.server.hook_timing_every)
         self.metrics.registry.register(
             BreakerCollector(self.pool.breaker_states, self.pool.transitions))
         for plugin in self.pipeline.plugins.values():
             if isinstance(plugin, MetricsSource):
                 self.metrics.registry.register(plugin.collector())
         self.metrics.add_plugins(self.pipeline.plugins)
-        self.pipeline.scheduler.observe = self.metrics.observe_hook
+        self.pipeline.scheduler.timer = self.metrics.hooks
         plugin_paths = {path for _, path in self.pipeline.routes}
         adapters = registry.api_adapters(config.apis, config.source)
         self.apis = ApiRoutes(adapters, _CORE_PATHS | plugin_paths)

@@ -54,6 +54,11 @@ class ServerConfig(BaseModel):
     connections_per_engine: int = Field(256, ge=1)
     #: Seed of the scheduler's random tie-breaks (reproducible routing for a given seed).
     seed: int = 0
+    #: Plugin hooks are timed (``kvgate_plugin_hook_duration_seconds``) on one API request in
+    #: this many: 1 times every call, 0 none. Timing every call cost ~6 % of the gateway's CPU
+    #: per 1 KiB request (two clock reads and an update per hook, ~15 hooks); one in 8 keeps
+    #: the latency distribution and averages, and ``_count`` counts the timed calls.
+    hook_timing_every: int = Field(8, ge=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     access_log: AccessLogConfig = Field(default_factory=AccessLogConfig)
     #: Directory of the routing state kept across restarts (session pins, cache pressure;

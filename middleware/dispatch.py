@@ -136,18 +136,20 @@ class Dispatcher:
             return
         attempt.usage_reported = True
         req = ctx.request
-        metrics, tokens = self.metrics, self.metrics.tokens
-        metrics.child(tokens, req.model, "prompt").inc(usage.prompt_tokens)
-        metrics.child(tokens, req.model, "completion").inc(usage.completion_tokens)
+        tokens = self.metrics.tokens
+        tokens.inc((req.model, "prompt"), usage.prompt_tokens)
+        tokens.inc((req.model, "completion"), usage.completion_tokens)
         if usage.cached_tokens is not None:
-            metrics.child(tokens, req.model, "cached").inc(usage.cached_tokens)
+            tokens.inc((req.model, "cached"), usage.cached_tokens)
         if not self.pipeline.usage_hooks:
             return
+        timer = self.metrics.hooks
         with self.tracing.span("kvgate.usage"):  # billing's ledger write, quotas
             for hook in self.pipeline.usage_hooks:
-                t = time.perf_counter()
+                t = time.perf_counter() if timer.on else 0.0
                 await hook.on_usage(req, ctx.state, attempt.target, usage)
-                self.metrics.observe_hook(hook, "on_usage", t)
+                if t:
+                    timer.observe(hook, "on_usage", t)
 
     async def _complete(self, ctx: RequestContext, attempt: Attempt, kind: OutcomeKind,
                         error: str | None, will_retry: bool) -> None:
@@ -155,8 +157,8 @@ class Dispatcher:
         now = time.monotonic()
         ttft = None if attempt.first_byte_at is None else attempt.first_byte_at - req.received_at
         if ttft is not None:
-            self.metrics.child(self.metrics.ttft, ctx.adapter.name,
-                               "true" if req.stream else "false").observe(ttft)
+            self.metrics.ttft.observe((ctx.adapter.name, "true" if req.stream else "false"),
+                                      ttft)
         errors: list[Exception] = []
         try:
             await self.report_usage(ctx, attempt)
@@ -179,11 +181,13 @@ class Dispatcher:
                                 errors: list[Exception]) -> None:
         """Every completion hook runs, even when another raised: hooks release what the request
         held (token load, admission slots), and one failing must not leak the others'."""
+        timer = self.metrics.hooks
         for hook in self.pipeline.completion_hooks:
             try:
-                t = time.perf_counter()
+                t = time.perf_counter() if timer.on else 0.0
                 await hook.on_complete(req, ctx.state, target, outcome)
-                self.metrics.observe_hook(hook, "on_complete", t)
+                if t:
+                    timer.observe(hook, "on_complete", t)
             except Exception as exc:  # the first is re-raised by the caller
                 if errors:
                     log.exception("request %s: completion hook failed too", req.request_id)
@@ -199,10 +203,12 @@ class Dispatcher:
         dispatch, retrying elsewhere on failures before the first byte."""
         req = ctx.request
         self._check_model(req, eps)
+        timer = self.metrics.hooks
         for producer in self.pipeline.producers:
-            t = time.perf_counter()
+            t = time.perf_counter() if timer.on else 0.0
             await producer.prepare(req, ctx.state, eps)
-            self.metrics.observe_hook(producer, "prepare", t)
+            if t:
+                timer.observe(producer, "prepare", t)
         pinned = self._pinned(ctx, eps)
         excluded: set[str] = set()
         attempts = 1 + self.config.server.retries
@@ -269,10 +275,12 @@ class Dispatcher:
     async def _dispatch(self, ctx: RequestContext, decision: RoutingDecision, last: bool) -> int:
         req = ctx.request
         ctx.profiles = tuple(decision.profiles)
+        timer = self.metrics.hooks
         for hook in self.pipeline.dispatch_hooks:
-            t = time.perf_counter()
+            t = time.perf_counter() if timer.on else 0.0
             await hook.before_dispatch(req, ctx.state, decision)
-            self.metrics.observe_hook(hook, "before_dispatch", t)
+            if t:
+                timer.observe(hook, "before_dispatch", t)
         target = decision.target
         lease = self.pool.acquire(target.id, req.prompt_token_estimate)
         return await self.run(ctx, target, partial(self._route, ctx, decision), last=last,

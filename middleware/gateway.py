@@ -131,6 +131,7 @@ class Gateway:
         """One request to ``adapter``'s route (``state_id``: a by-id route's id). A loopback
         call (middleware/loopback.py) brings its principal, request id and tier."""
         loop = loopback_context(scope)
+        self.metrics.hooks.tick()
         ctx = RequestContext(
             adapter=adapter, send=TrackedSend(send), receive=receive,
             headers=header_map(scope), path=scope["path"], query=scope.get("query_string", b""),
@@ -163,16 +164,18 @@ class Gateway:
             if trace is not None:
                 self.tracing.end_request(trace, _span_attributes(ctx))
         metrics = self.metrics
-        metrics.child(metrics.requests, adapter.name, self._model_label(ctx), str(ctx.status)).inc()
-        metrics.child(metrics.latency, adapter.name).observe(time.monotonic() - ctx.received_at)
+        metrics.requests.inc((adapter.name, self._model_label(ctx), str(ctx.status)))
+        metrics.latency.observe((adapter.name,), time.monotonic() - ctx.received_at)
 
     async def _request_end(self, req: InferenceRequest, ctx: RequestContext) -> None:
         """Every request-end hook runs, even when another raised (each releases its own)."""
+        timer = self.metrics.hooks
         for hook in self.pipeline.request_end_hooks:
             try:
-                t = time.perf_counter()
+                t = time.perf_counter() if timer.on else 0.0
                 await hook.on_request_end(req, ctx.state, ctx.status)
-                self.metrics.observe_hook(hook, "on_request_end", t)
+                if t:
+                    timer.observe(hook, "on_request_end", t)
             except Exception:
                 log.exception("request %s: request-end hook failed", req.request_id)
 
@@ -221,10 +224,12 @@ class Gateway:
             req.tenant, req.key_id = principal.tenant, principal.key_id
         if ctx.loopback is not None:
             req.service_tier = ctx.loopback.tier
+        timer = self.metrics.hooks
         for hook in self.pipeline.request_hooks:
-            t = time.perf_counter()
+            t = time.perf_counter() if timer.on else 0.0
             await hook.on_request(req, ctx.state)
-            self.metrics.observe_hook(hook, "on_request", t)
+            if t:
+                timer.observe(hook, "on_request", t)
         for deferral in self.pipeline.deferrals:
             deferred = await deferral.defer(req, ctx.adapter.name, ctx.path)
             if deferred is not None:

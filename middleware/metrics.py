@@ -13,10 +13,14 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Mapping
 from itertools import accumulate
-from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from middleware.plugin import Plugin
@@ -32,9 +36,6 @@ _HOOK_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0
 #: tenants, sessions), so one plugin cannot blow up the label set.
 MAX_HOLDER_KEYS = 64
 _Number = (int, float)
-#: Labelled children memoised by :meth:`GatewayMetrics.child` (label sets are bounded by the
-#: configuration: APIs x served models x statuses; 4,096 is far above any real one).
-MAX_CHILDREN = 4096
 
 
 def _numbers(value: object) -> dict[str, float] | None:
@@ -137,61 +138,140 @@ class _PoolCollector(Collector):
             yield family
 
 
-class HookTimings(Collector):
-    """``kvgate_plugin_hook_duration_seconds{plugin, hook}``: a histogram kept as plain lists.
+#: Series one :class:`LabelledCounter` or :class:`LabelledHistogram` keeps (label sets are
+#: bounded by the configuration: APIs x served models x statuses, plugins x hooks; 4,096 is far
+#: above any real one). Past it a new label set counts in the one whose labels are all
+#: ``other``: nothing is dropped, nothing grows.
+MAX_SERIES = 4096
+_OVERFLOW = "other"
 
-    A hook call is timed several times per request; prometheus_client's ``Histogram.observe``
-    takes a lock twice and walks the buckets in Python (with the labelled children, ~9 % of the
-    gateway's CPU per 1 KiB request in a py-spy profile). Here one observation is a
-    ``bisect`` and two list updates on the event loop's thread (the only writer), turned into
-    the same histogram family at scrape time. Series: one per (plugin instance, hook), bounded
-    by the configuration; none is ever evicted.
-    """
 
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.bounds = list(buckets)
-        #: (plugin, hook) -> per-bucket counts (not cumulative), the +Inf count, then the sum
-        self._series: dict[tuple[str, str], list[float]] = {}
+class _Labelled(Collector):
+    """Series by label values, each a plain ``list[float]`` the event loop's thread (the only
+    writer) updates in place, turned into a metric family at scrape time.
 
-    def series(self, plugin: str, hook: str) -> list[float]:
-        """The mutable series of one (plugin, hook): ``[count per bucket..., +Inf, sum]``."""
-        found = self._series.get((plugin, hook))
+    prometheus_client's ``labels(...).inc()`` validates, then takes a lock per update (and a
+    histogram's ``observe`` twice, walking the buckets in Python): four to six Python calls
+    per update, several updates per request. Here an update is one call, a dict lookup and a
+    list store."""
+
+    def __init__(self, name: str, documentation: str, labels: list[str], width: int) -> None:
+        self.name, self.documentation, self.labels = name, documentation, labels
+        self._width = width
+        self._series: dict[tuple[str, ...], list[float]] = {}
+
+    def series(self, *values: str) -> list[float]:
+        """The mutable series of one label set (created at 0; see :data:`MAX_SERIES`)."""
+        found = self._series.get(values)
         if found is None:
-            found = self._series[(plugin, hook)] = [0.0] * (len(self.bounds) + 2)
+            if len(self._series) >= MAX_SERIES:
+                values = (_OVERFLOW,) * len(self.labels)
+                found = self._series.get(values)
+            if found is None:
+                found = self._series[values] = [0.0] * self._width
         return found
 
+
+class LabelledCounter(_Labelled):
+    """A counter family (``<name>_total``): :meth:`inc` adds to one label set."""
+
+    def __init__(self, name: str, documentation: str, labels: list[str]) -> None:
+        super().__init__(name, documentation, labels, 1)
+
+    def inc(self, values: tuple[str, ...], amount: float = 1.0) -> None:
+        series = self._series.get(values)
+        if series is None:
+            series = self.series(*values)
+        series[0] += amount
+
     def collect(self) -> Iterator[Metric]:
-        family = HistogramMetricFamily(
-            "kvgate_plugin_hook_duration_seconds", "Time in one plugin hook call",
-            labels=["plugin", "hook"])
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labels)
+        for values, series in self._series.items():
+            family.add_metric(list(values), series[0])
+        yield family
+
+
+class LabelledHistogram(_Labelled):
+    """A histogram family; a series is ``[count per bucket (not cumulative)..., +Inf count,
+    sum]``, so an observation is a ``bisect`` and two list updates."""
+
+    def __init__(self, name: str, documentation: str, labels: list[str],
+                 buckets: tuple[float, ...]) -> None:
+        super().__init__(name, documentation, labels, len(buckets) + 2)
+        self.bounds = list(buckets)
+
+    def observe(self, values: tuple[str, ...], seconds: float) -> None:
+        series = self._series.get(values)
+        if series is None:
+            series = self.series(*values)
+        series[bisect_left(self.bounds, seconds)] += 1
+        series[-1] += seconds
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labels)
         edges = [repr(float(b)) for b in self.bounds] + ["+Inf"]  # as prometheus_client
-        for (plugin, hook), series in self._series.items():
+        for values, series in self._series.items():
             cumulative = list(accumulate(series[:-1]))
-            family.add_metric([plugin, hook], list(zip(edges, cumulative, strict=True)),
+            family.add_metric(list(values), list(zip(edges, cumulative, strict=True)),
                               sum_value=series[-1])
         yield family
+
+
+class HookTimer:
+    """Times plugin hook calls into ``kvgate_plugin_hook_duration_seconds``, sampled.
+
+    :meth:`tick` runs as each API request starts; :attr:`on` is True while the latest request
+    to start is one of every ``every`` (1: always, 0: never). A hook site reads :attr:`on`
+    before the call and only then reads the clock, so an untimed call costs one attribute
+    read. Requests interleave on the event loop, so the calls timed are those made while a
+    sampled request was the latest to start: about one call in ``every`` of each hook, chosen
+    before the call, whatever it then takes (the distribution is not biased)."""
+
+    def __init__(self, histogram: LabelledHistogram, every: int) -> None:
+        self.histogram = histogram
+        self.every = every
+        self.on = every == 1
+        self._ticks = 0
+        self._series: dict[tuple[int, str], list[float]] = {}
+        self.names: dict[int, str] = {}
+
+    def tick(self) -> None:
+        if self.every > 1:
+            self._ticks += 1
+            self.on = self._ticks % self.every == 1
+
+    def observe(self, plugin: object, hook: str, since: float) -> None:
+        """One call of ``plugin``'s ``hook`` that began at ``since`` (``time.perf_counter``)."""
+        elapsed = time.perf_counter() - since
+        key = (id(plugin), hook)
+        series = self._series.get(key)
+        if series is None:
+            name = self.names.get(id(plugin), type(plugin).__name__)
+            series = self._series[key] = self.histogram.series(name, hook)
+        series[bisect_left(self.histogram.bounds, elapsed)] += 1
+        series[-1] += elapsed
 
 
 class GatewayMetrics:
     """The gateway's metrics; ``render()`` is what ``GET /metrics`` returns."""
 
-    def __init__(self, snapshot: Callable[[], tuple[Endpoint, ...]]) -> None:
+    def __init__(self, snapshot: Callable[[], tuple[Endpoint, ...]],
+                 hook_timing_every: int = 1) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter(
-            "kvgate_requests", "Requests answered", ["api", "model", "status"], registry=r
-        )
-        self.latency = Histogram(
+        #: Updated per request: lockless families (:class:`LabelledCounter`).
+        self.requests = LabelledCounter(
+            "kvgate_requests", "Requests answered", ["api", "model", "status"])
+        self.latency = LabelledHistogram(
             "kvgate_request_duration_seconds", "Time from request to last byte", ["api"],
-            buckets=_BUCKETS, registry=r,
-        )
-        self.ttft = Histogram(
+            _BUCKETS)
+        self.ttft = LabelledHistogram(
             "kvgate_time_to_first_byte_seconds", "Time from request to first upstream byte",
-            ["api", "stream"], buckets=_BUCKETS, registry=r,
-        )
-        self.tokens = Counter(
-            "kvgate_tokens", "Tokens reported by engines", ["model", "kind"], registry=r
-        )
+            ["api", "stream"], _BUCKETS)
+        self.tokens = LabelledCounter(
+            "kvgate_tokens", "Tokens reported by engines", ["model", "kind"])
+        for family in (self.requests, self.latency, self.ttft, self.tokens):
+            r.register(family)
         self.retries = Counter(
             "kvgate_upstream_retries", "Requests retried on another engine", ["engine"], registry=r
         )
@@ -202,39 +282,17 @@ class GatewayMetrics:
             "kvgate_pd_requests", "Requests routed with a prefill hop, by how the hop went "
             "(two_hop, fallback: decoded locally, prefill_cancelled)", ["result"], registry=r
         )
-        self.hook_seconds = HookTimings(_HOOK_BUCKETS)
+        self.hook_seconds = LabelledHistogram(
+            "kvgate_plugin_hook_duration_seconds", "Time in one plugin hook call",
+            ["plugin", "hook"], _HOOK_BUCKETS)
         r.register(self.hook_seconds)
-        self._hook_series: dict[tuple[int, str], list[float]] = {}
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
-        self._plugin_names: dict[int, str] = {}
+        self.hooks = HookTimer(self.hook_seconds, hook_timing_every)
         r.register(_PoolCollector(snapshot))
 
     def add_plugins(self, plugins: Mapping[str, object]) -> None:
         """Export the plugins' counters and name their hook timings (once, at build)."""
-        self._plugin_names = {id(p): name for name, p in plugins.items()}
+        self.hooks.names = {id(p): name for name, p in plugins.items()}
         self.registry.register(PluginCounters(plugins))
-
-    def child(self, metric: Counter | Histogram, *values: str) -> Any:
-        """``metric.labels(*values)``, memoised (``labels`` validates and locks on every call:
-        a few per request). At most :data:`MAX_CHILDREN` kept; past that, not memoised."""
-        key = (id(metric), values)
-        found = self._children.get(key)
-        if found is None:
-            found = metric.labels(*values)
-            if len(self._children) < MAX_CHILDREN:
-                self._children[key] = found
-        return found
-
-    def observe_hook(self, plugin: object, hook: str, since: float) -> None:
-        """One call of ``plugin``'s ``hook`` that began at ``since`` (``time.perf_counter``)."""
-        elapsed = time.perf_counter() - since
-        key = (id(plugin), hook)
-        series = self._hook_series.get(key)
-        if series is None:
-            name = self._plugin_names.get(id(plugin), type(plugin).__name__)
-            series = self._hook_series[key] = self.hook_seconds.series(name, hook)
-        series[bisect_left(self.hook_seconds.bounds, elapsed)] += 1
-        series[-1] += elapsed
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from middleware.errors import NoEndpointAvailable
 from middleware.plugin import Filter, Picker, ProfileHandler, Scorer
@@ -54,8 +55,13 @@ def _clamp(value: float) -> float:
     return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value
 
 
-def _ignore(plugin: object, hook: str, since: float) -> None:
-    """The default observer: no metrics."""
+class HookClock(Protocol):
+    """What times plugin calls (middleware/metrics.py's sampled ``HookTimer``): calls are
+    timed while ``on`` is set."""
+
+    on: bool
+
+    def observe(self, plugin: object, hook: str, since: float) -> None: ...
 
 
 def _keep_scores(state: CycleState, profile: str, totals: Mapping[str, float]) -> None:
@@ -80,18 +86,19 @@ class Scheduler:
         self._max_rounds = 2 * max(1, len(self.profiles))
         #: Keep each profile's top scores in the cycle state (ROUTE_SCORES): set when tracing.
         self.keep_scores = False
-        #: Told each filter, scorer and picker call (plugin, hook, ``perf_counter`` at its
-        #: start): the app sets the metrics' hook histogram here.
-        self.observe: Callable[[object, str, float], None] = _ignore
+        #: Times filter, scorer and picker calls while its ``on`` is set: the app gives the
+        #: metrics' sampled hook timer (middleware/metrics.py); None: never timed.
+        self.timer: HookClock | None = None
 
     def run_profile(
         self, profile: Profile, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]
     ) -> ProfileResult:
-        observe = self.observe
+        timer = self.timer if self.timer is not None and self.timer.on else None
         for name, flt in profile.filters:
-            t = time.perf_counter()
+            t = time.perf_counter() if timer else 0.0
             eps = flt.filter(req, state, eps)
-            observe(flt, "filter", t)
+            if timer:
+                timer.observe(flt, "filter", t)
             if not eps:
                 raise NoEndpointAvailable(
                     f"no engine can serve model {req.model!r} now (profile {profile.name!r}, "
@@ -101,18 +108,20 @@ class Scheduler:
             raise NoEndpointAvailable(f"no engine can serve model {req.model!r} now")
         totals = dict.fromkeys((ep.id for ep in eps), 0.0)
         for ws in profile.scorers:
-            t = time.perf_counter()
+            t = time.perf_counter() if timer else 0.0
             scores = ws.scorer.score(req, state, eps)
-            observe(ws.scorer, "score", t)
+            if timer:
+                timer.observe(ws.scorer, "score", t)
             for ep_id, value in scores.items():
                 if ep_id in totals:
                     totals[ep_id] += ws.weight * _clamp(value)
         scored = [ScoredEndpoint(ep, totals[ep.id]) for ep in eps]
         if self.keep_scores:
             _keep_scores(state, profile.name, totals)
-        t = time.perf_counter()
+        t = time.perf_counter() if timer else 0.0
         result = profile.picker.pick(state, scored, self.rng)
-        observe(profile.picker, "pick", t)
+        if timer:
+            timer.observe(profile.picker, "pick", t)
         return result
 
     def schedule_profile(

@@ -12,6 +12,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.ports import free_port
@@ -80,7 +81,8 @@ def _scrape(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
 
 
 @contextlib.asynccontextmanager
-async def _cache_aware(tmp: Path) -> AsyncIterator[tuple[KvgateApp, httpx.AsyncClient]]:
+async def _cache_aware(tmp: Path, hook_timing_every: int = 1,
+                       ) -> AsyncIterator[tuple[KvgateApp, httpx.AsyncClient]]:
     """The cache-aware preset over two simulators, plus api-keys, billing and quotas."""
     events = f"tcp://127.0.0.1:{free_port()}"
     keys = write_keys(tmp)
@@ -91,6 +93,7 @@ async def _cache_aware(tmp: Path) -> AsyncIterator[tuple[KvgateApp, httpx.AsyncC
         extra = billing_config([s.url for s in sims], tmp, keys)["plugins"][:3]
         base["plugins"] = [*extra, *base["plugins"]]
         base.pop("source", None)
+        base.setdefault("server", {})["hook_timing_every"] = hook_timing_every
         app = create_app(parse_config(base, "test"))
         await stack.enter_async_context(app.running())
         client = await stack.enter_async_context(httpx.AsyncClient(
@@ -123,9 +126,35 @@ async def test_metrics_have_plugin_counters_hook_timings_and_the_dashboards_name
         assert any(hook == "score" for _, hook in hooks)
         exported = {re.sub(r"_(bucket|count|sum|total|created)$", "", n) for n in scraped}
     dashboard = json.loads(DASHBOARD.read_text())
+    assert all(v == 2 for v in hooks.values()), hooks  # every call timed (every = 1)
     queried = {m for panel in dashboard["panels"] for target in panel["targets"]
                for m in re.findall(r"kvgate_[a-z0-9_]+", target["expr"])}
     assert len(queried) >= 12
     missing = {m for m in queried
                if re.sub(r"_(bucket|count|sum|total)$", "", m) not in exported}
     assert not missing, missing
+
+
+@pytest.mark.parametrize(("every", "requests", "timed"), [
+    (8, 9, 2),  # the default: the 1st and the 9th request
+    (3, 6, 2),
+    (0, 3, 0),  # never: no series
+])
+async def test_hook_timings_are_sampled_one_request_in_n(
+        tmp_path: Path, every: int, requests: int, timed: int) -> None:
+    async with _cache_aware(tmp_path, every) as (_, client):
+        body = {"model": "sim-model", "max_tokens": 3,
+                "messages": [{"role": "user", "content": "sampled " * 40}]}
+        for _ in range(requests):  # one at a time: each request's hooks run while it is the
+            # latest to start
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        scraped = _scrape((await client.get("/metrics")).text)
+    hooks = {(labels["plugin"], labels["hook"]): value
+             for labels, value in scraped.get("kvgate_plugin_hook_duration_seconds_count", [])}
+    if timed == 0:
+        assert not hooks
+        return
+    assert hooks[("tokenizer", "prepare")] == timed
+    assert hooks[("billing", "on_usage")] == timed
+    assert hooks[("max-score-picker", "pick")] == timed
+    assert set(hooks.values()) == {timed}
