@@ -189,8 +189,10 @@ def per_core_targets(med: Medians, large_bytes: int, rate: float) -> dict[str, A
     (closed loop, JSON; by req/s and by CPU µs per request), and whether kvgate keeps up with
     the open-loop rate at the large size (None where not measured)."""
     out: dict[str, Any] = {}
-    for size, need in ((SMALL_BODY, TARGET_PER_CORE_SHARE[SMALL_BODY]),
-                       (large_bytes, TARGET_PER_CORE_SHARE[LARGE_BODY])):
+    sizes = {SMALL_BODY: TARGET_PER_CORE_SHARE[SMALL_BODY]}
+    if large_bytes != SMALL_BODY:  # ``--no-large``: the largest size measured is 1 KiB
+        sizes[large_bytes] = TARGET_PER_CORE_SHARE[LARGE_BODY]
+    for size, need in sizes.items():
         label = Cell(False, size, "closed").label
         by_rps = ratio(harness.get(med, KVGATE, label, "rps"),
                        harness.get(med, VLLM_ROUTER, label, "rps"))

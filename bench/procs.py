@@ -32,9 +32,10 @@ def start(
     cpu: int | str,
     log_path: Path,
     env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start ``argv`` pinned to ``cpu`` (a core, or a taskset list such as ``"0-1"``; children
-    inherit the mask), output to ``log_path``."""
+    inherit the mask), output to ``log_path``, in ``cwd`` (default: this process's)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, **(env or {})}
     with log_path.open("wb") as log:
@@ -44,6 +45,7 @@ def start(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=full_env,
+            cwd=cwd,
             start_new_session=True,
         )
 
@@ -95,10 +97,11 @@ def stop(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
 
 @contextlib.contextmanager
 def running(
-    argv: Sequence[str], cpu: int | str, log_path: Path, env: Mapping[str, str] | None = None
+    argv: Sequence[str], cpu: int | str, log_path: Path, env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """:func:`start` as a context manager that always :func:`stop`\\ s."""
-    proc = start(argv, cpu, log_path, env)
+    proc = start(argv, cpu, log_path, env, cwd)
     try:
         yield proc
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,11 @@ class System:
     tool: venvs.Tool | None = None
     start_timeout_s: float = 60.0
     ready_path: str | None = None  # then also wait until GET ready_path mentions the model
+    #: Start in a fresh empty working directory, removed afterwards: kvgate keeps routing state
+    #: (placement's insertion ledger, session pins) under ``.kvgate/`` of its working
+    #: directory and restores it at start, so launches sharing one would inherit each other's
+    #: (kvgate and kvgate-base in one run, and every trial after the first).
+    own_workdir: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,7 @@ def _kvgate_base(upstream: str, port: int, aux: int, root: Path) -> list[str]:
     if not tree or not (Path(tree) / "middleware" / "cli.py").is_file():
         raise SystemExit(f"{KVGATE_BASE}: set {BASE_TREE_ENV} to a kvgate checkout "
                          "(git worktree add /tmp/kvgate-base <commit>)")
-    return ["env", f"PYTHONPATH={tree}", *_kvgate(upstream, port, aux, root)]
+    return ["env", f"PYTHONPATH={Path(tree).resolve()}", *_kvgate(upstream, port, aux, root)]
 
 
 def _vllm_router(upstream: str, port: int, aux: int, root: Path) -> list[str]:
@@ -106,9 +112,12 @@ def catalogue() -> dict[str, System]:
     """Every known system by name."""
     systems = [
         System(DIRECT, None),
-        System(KVGATE, _kvgate, start_timeout_s=120.0, ready_path="/v1/models"),
-        System(KVGATE_UVICORN, _kvgate_uvicorn, start_timeout_s=120.0, ready_path="/v1/models"),
-        System(KVGATE_BASE, _kvgate_base, start_timeout_s=120.0, ready_path="/v1/models"),
+        System(KVGATE, _kvgate, start_timeout_s=120.0, ready_path="/v1/models",
+               own_workdir=True),
+        System(KVGATE_UVICORN, _kvgate_uvicorn, start_timeout_s=120.0, ready_path="/v1/models",
+               own_workdir=True),
+        System(KVGATE_BASE, _kvgate_base, start_timeout_s=120.0, ready_path="/v1/models",
+               own_workdir=True),
         System(VLLM_ROUTER, _vllm_router, tool=venvs.VLLM_ROUTER),
         System(SGLANG_ROUTER, _sglang_router, tool=venvs.SGLANG_ROUTER),
         System(PASS_AIOHTTP, _passthrough("aiohttp")),
@@ -128,7 +137,10 @@ def launched(
     port, aux = procs.free_port(), procs.free_port()
     argv = system.argv(upstream, port, aux, venv_root)
     base = f"http://127.0.0.1:{port}"
-    with procs.running(argv, cpu, log_path) as proc:
+    with contextlib.ExitStack() as stack:
+        cwd = (Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvgate-bench-")))
+               if system.own_workdir else None)
+        proc = stack.enter_context(procs.running(argv, cpu, log_path, cwd=cwd))
         procs.wait_healthy(base + system.health_path, proc, system.start_timeout_s, log_path)
         if system.ready_path is not None:
             procs.wait_healthy(base + system.ready_path, proc, system.start_timeout_s, log_path,

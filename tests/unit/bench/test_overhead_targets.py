@@ -49,3 +49,11 @@ def test_unmeasured_cells_are_not_judged() -> None:
     assert checks["json 1KiB closed"]["pass"] is None
     assert checks["json 200KiB open"]["unsaturated"] is None
     assert "n/a" in overhead.per_core_text(checks)
+
+
+def test_no_large_judges_1_kib_against_its_own_target() -> None:
+    # ``--no-large``: the largest size measured is 1 KiB; its need stays 0.3, not the large 0.5
+    checks = overhead.per_core_targets(_medians(1900.0, 1000.0, 1000.0, 0.0), 1024, 1000.0)
+    assert checks["json 1KiB closed"]["need"] == 0.3
+    assert checks["json 1KiB closed"]["pass"] is True
+    assert set(checks) == {"json 1KiB closed", "json 1KiB open"}
