@@ -17,11 +17,13 @@ Cost: one ``orjson.dumps`` per request; nothing at all when disabled. Under ``kv
 (the logger's only handler is the one :func:`install_handler` gave it, nothing propagated,
 no filters) the line goes straight to that handler's stream, under its lock, instead of
 through ``Logger.info`` (a ``LogRecord``, the handler chain, a formatter: ~14 µs against
-~2 µs per line, ~5 % of kvgate's CPU per 1 KiB request); what reaches the file is the same.
+~2 µs per line, ~5 % of kvgate's CPU per 1 KiB request), and the lines of one event-loop
+iteration in one write (:class:`AccessLog`); what reaches the file is the same.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 import time
@@ -40,6 +42,9 @@ LOG_FIELDS: StateKey[dict[str, object]] = StateKey("access-log-fields")
 #: Longest model name copied (a client's string: bounded, so one line stays one line's size).
 _MAX_MODEL = 200
 _HANDLER_MARK = "_kvgate_access"
+#: Lines held for one event-loop iteration at most before :meth:`AccessLog.flush` (a bound:
+#: an iteration that ends more requests writes them in several batches).
+MAX_PENDING = 256
 
 
 def add_log_field(state: CycleState, name: str, value: object) -> None:
@@ -56,25 +61,50 @@ def _round(seconds: float | None) -> float | None:
 
 
 class AccessLog:
-    """Builds and writes the lines; ``enabled`` False: :meth:`write` returns at once."""
+    """Builds and writes the lines; ``enabled`` False: :meth:`write` returns at once.
+
+    Straight to the own handler (module docstring), the lines of one event-loop iteration go
+    out in one write: the first schedules :meth:`flush` with ``call_soon`` (it runs after the
+    callbacks ready in this iteration: requests ending together, under load), the others
+    append. Bounded by what one iteration ends (and :data:`MAX_PENDING` lines); a line waits
+    well under a millisecond; :meth:`flush` at shutdown writes what is left. One write syscall
+    per line was ~2 % of kvgate's CPU per 1 KiB request."""
 
     def __init__(self, config: AccessLogConfig) -> None:
         self.enabled = config.enabled
         self._log = logging.getLogger(LOGGER)
+        self._pending: list[str] = []
 
     def write(self, ctx: RequestContext, method: str) -> None:
         if not self.enabled or not self._log.isEnabledFor(logging.INFO):
             return
         line = orjson.dumps(self.entry(ctx, method), default=str).decode()
-        handler = self._own_handler()
-        if handler is None:
+        pending = self._pending
+        if pending:
+            pending.append(line)
+            if len(pending) >= MAX_PENDING:
+                self.flush()
+            return
+        if self._own_handler() is None:
             self._log.info(line)
             return
         try:
-            with handler.lock:  # type: ignore[union-attr]  # set by Handler.createLock
-                handler.stream.write(line + "\n")
-                handler.stream.flush()
-        except (OSError, ValueError):  # a closed or failing stream: logging reports it
+            asyncio.get_running_loop().call_soon(self.flush)
+        except RuntimeError:  # no event loop (a synchronous caller): at once
+            pending.append(line)
+            self.flush()
+            return
+        pending.append(line)
+
+    def flush(self) -> None:
+        """Write the pending lines (one write) to the own handler, else through ``logging``."""
+        lines, self._pending = self._pending, []
+        if not lines:
+            return
+        handler = self._own_handler()
+        if handler is not None and _write(handler, lines):
+            return
+        for line in lines:  # a closed or failing stream: logging reports it
             self._log.info(line)
 
     def _own_handler(self) -> logging.StreamHandler[Any] | None:
@@ -122,6 +152,17 @@ class AccessLog:
             "ttfb_s": None if first is None else _round(first - ctx.received_at),
             "upstream_s": _round(ctx.upstream_s) if ctx.engines else None,
         }
+
+
+def _write(handler: logging.StreamHandler[Any], lines: list[str]) -> bool:
+    """The lines to the handler's stream, under its lock; False if the stream failed."""
+    try:
+        with handler.lock:  # type: ignore[union-attr]  # set by Handler.createLock
+            handler.stream.write("\n".join(lines) + "\n")
+            handler.stream.flush()
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def install_handler(config: AccessLogConfig) -> None:

@@ -161,6 +161,7 @@ class KvgateApp:
             self._client = None
         if self.tracing.enabled:  # exports what is queued: blocking, so off the loop
             await asyncio.to_thread(self.tracing.shutdown)
+        self.gateway.access_log.flush()
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[KvgateApp]:

@@ -3,6 +3,8 @@ logger's only way out, through ``logging`` otherwise; the file gets the same lin
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 import logging
 from collections.abc import Callable, Iterator
@@ -11,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from middleware import access_log
 from middleware.access_log import LOGGER, AccessLog, install_handler
 from middleware.config import AccessLogConfig
 
@@ -82,3 +85,44 @@ def test_line_reaches_the_file_once(access_file: Path, monkeypatch: pytest.Monke
     assert [json.loads(line) for line in lines] == [ENTRY], name
     assert seen.records == (1 if through_logging else 0), name
 
+
+
+class CountingStream(io.StringIO):
+    """A stream that counts its writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        return super().write(text)
+
+
+@pytest.mark.parametrize(("lines", "max_pending", "writes"), [
+    (1, 256, 1),
+    (5, 256, 1),  # one event-loop iteration's lines: one write
+    (5, 2, 3),  # bounded: 2 + 2, then the last one at the iteration's end
+])
+async def test_one_write_per_event_loop_iteration(
+        access_file: Path, monkeypatch: pytest.MonkeyPatch,
+        lines: int, max_pending: int, writes: int) -> None:
+    monkeypatch.setattr(AccessLog, "entry", staticmethod(lambda ctx, method: dict(ENTRY)))
+    monkeypatch.setattr(access_log, "MAX_PENDING", max_pending)
+    logger = logging.getLogger(LOGGER)
+    handler = logger.handlers[0]
+    assert isinstance(handler, logging.StreamHandler)
+    # pytest's log capture may hang its handlers on the logger of an async test: only ours
+    monkeypatch.setattr(logger, "handlers", [handler])
+    stream = CountingStream()
+    monkeypatch.setattr(handler, "stream", stream)
+    log = AccessLog(AccessLogConfig())
+    for _ in range(lines):
+        log.write(Any, "POST")  # type: ignore[arg-type]
+    assert stream.writes == writes - 1
+    await asyncio.sleep(0)  # the next iteration: the flush ran
+    assert stream.writes == writes
+    assert [json.loads(line) for line in stream.getvalue().splitlines()] == [ENTRY] * lines
+    log.write(Any, "POST")  # type: ignore[arg-type]
+    log.flush()  # at shutdown: what is pending, at once
+    assert len(stream.getvalue().splitlines()) == lines + 1
