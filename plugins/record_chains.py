@@ -125,6 +125,6 @@ def _common_blocks(old: npt.NDArray[np.uint32], new: npt.NDArray[np.uint32],
     """Whole blocks both id arrays start with."""
     length = min(len(old), len(new))
     same = old[:length] == new[:length]
-    if bool(same.all()):
+    if bool(np.logical_and.reduce(same)):  # ``same.all()`` without its Python-level wrapper
         return length // block_size
     return int(np.argmin(same)) // block_size

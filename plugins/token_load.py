@@ -230,7 +230,7 @@ class LoadTracker:
         for charge in entry.charges:
             current = self._loads.get(charge.endpoint, IDLE)
             updated = current.plus(charge, sign)
-            if updated == IDLE:
+            if not (updated.prefill_tokens or updated.decode_tokens or updated.requests):  # idle
                 self._loads.pop(charge.endpoint, None)
             else:
                 self._loads[charge.endpoint] = updated

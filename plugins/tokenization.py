@@ -404,6 +404,9 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
         self.p = params
         self.stats = TokenizationStats()
         self._chat: dict[TokenizerSpec, ChatTokenizer] = {}
+        #: The same by ``id`` of the params' spec objects (held by ``self.p``: stable ids):
+        #: a frozen pydantic model hashes in Python (its fields' tuple) on every lookup.
+        self._chat_by_id: dict[int, ChatTokenizer] = {}
         self._pool: ThreadPoolExecutor | None = None
         for spec in (self.p.tokenizer, *self.p.models.values()):
             if spec is not None and spec.kind == "hf":
@@ -417,6 +420,9 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
         specs = {s for s in (self.p.tokenizer, *self.p.models.values()) if s is not None}
         for spec in specs:
             self._chat[spec] = await asyncio.to_thread(self._build, spec)
+        self._chat_by_id = {id(s): self._chat[s] for s in (self.p.tokenizer,
+                                                           *self.p.models.values())
+                            if s is not None}
         self._pool = ThreadPoolExecutor(self.p.threads, thread_name_prefix="kvgate-tokenize")
 
     def _build(self, spec: TokenizerSpec) -> ChatTokenizer:
@@ -438,7 +444,7 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
 
     def chat_tokenizer(self, model: str) -> ChatTokenizer | None:
         spec = self.p.models.get(model, self.p.tokenizer)
-        return None if spec is None else self._chat.get(spec)
+        return None if spec is None else self._chat_by_id.get(id(spec))
 
     async def prepare(
         self, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]
@@ -447,9 +453,10 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
         ids = _token_id_prompt(req)
         passthrough = ids is not None
         self.stats.passthrough += passthrough
-        if ids is None and (work := self._work(req)) is not None:
+        chat = self.chat_tokenizer(req.model)
+        if ids is None and (work := self._work(req, chat)) is not None:
             try:
-                ids = await self._run(work, _text_size(req), self._offloads(req.model))
+                ids = await self._run(work, _text_size(req), _offloads(chat))
             except TokenizationError as exc:
                 self.stats.failures += 1
                 log.debug("request %s: not tokenized: %s", req.request_id, exc)
@@ -459,17 +466,17 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
             return
         state.put(TOKEN_IDS, ids if isinstance(ids, tuple | array) else tuple(ids))
         req.prompt_token_estimate = len(ids)
-        chat = self.chat_tokenizer(req.model)
         inexact = getattr(chat.backend, "inexact", None) if chat is not None else None
         if inexact and not passthrough:  # a client's token ids are the engine's own
             state.put(TOKEN_IDS_INEXACT, str(inexact))
 
-    def _work(self, req: InferenceRequest) -> Callable[[], Sequence[int]] | None:
-        """How to tokenize the request's prompt (any API: the adapter's view of it)."""
+    def _work(self, req: InferenceRequest,
+              chat: ChatTokenizer | None) -> Callable[[], Sequence[int]] | None:
+        """How to tokenize the request's prompt (any API: the adapter's view of it) with the
+        model's tokenizer ``chat``."""
         prompt = req.prompt
         if prompt is None or isinstance(prompt, TokenPrompt):
             return None
-        chat = self.chat_tokenizer(req.model)
         if chat is None:
             self.stats.no_tokenizer += 1
             return None
@@ -483,16 +490,16 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
         gen = prompt.add_generation_prompt
         return lambda: chat.tokenize(messages, gen, extra)
 
-    def _offloads(self, model: str) -> bool:
-        chat = self.chat_tokenizer(model)
-        return chat is not None and getattr(chat.backend, "offload", True) is not False
-
     async def _run(self, work: Callable[[], Sequence[int]], size: int,
                    offload: bool = True) -> Sequence[int]:
         if self._pool is None or not offload or size < self.p.offload_min_chars:
             return work()
         self.stats.offloaded += 1
         return await asyncio.get_running_loop().run_in_executor(self._pool, work)
+
+
+def _offloads(chat: ChatTokenizer | None) -> bool:
+    return chat is not None and getattr(chat.backend, "offload", True) is not False
 
 
 def _template_extra(prompt: ChatPrompt) -> dict[str, Any]:
