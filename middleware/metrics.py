@@ -232,7 +232,8 @@ class HookTimer:
         self.every = every
         self.on = every == 1
         self._ticks = 0
-        self._series: dict[tuple[int, str], list[float]] = {}
+        #: (plugin instance, hook) -> its labels (the plugin's configured name, the hook)
+        self._labels: dict[tuple[int, str], tuple[str, str]] = {}
         self.names: dict[int, str] = {}
 
     def tick(self) -> None:
@@ -244,12 +245,10 @@ class HookTimer:
         """One call of ``plugin``'s ``hook`` that began at ``since`` (``time.perf_counter``)."""
         elapsed = time.perf_counter() - since
         key = (id(plugin), hook)
-        series = self._series.get(key)
-        if series is None:
-            name = self.names.get(id(plugin), type(plugin).__name__)
-            series = self._series[key] = self.histogram.series(name, hook)
-        series[bisect_left(self.histogram.bounds, elapsed)] += 1
-        series[-1] += elapsed
+        labels = self._labels.get(key)
+        if labels is None:
+            labels = self._labels[key] = (self.names.get(id(plugin), type(plugin).__name__), hook)
+        self.histogram.observe(labels, elapsed)
 
 
 class GatewayMetrics:

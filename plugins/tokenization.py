@@ -403,10 +403,9 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
         assert isinstance(params, Tokenizer.Params)
         self.p = params
         self.stats = TokenizationStats()
-        self._chat: dict[TokenizerSpec, ChatTokenizer] = {}
-        #: The same by ``id`` of the params' spec objects (held by ``self.p``: stable ids):
-        #: a frozen pydantic model hashes in Python (its fields' tuple) on every lookup.
-        self._chat_by_id: dict[int, ChatTokenizer] = {}
+        #: Built tokenizers by ``id`` of the params' spec objects (held by ``self.p``: stable
+        #: ids): a frozen pydantic spec would hash in Python (its fields' tuple) on each lookup.
+        self._chat: dict[int, ChatTokenizer] = {}
         self._pool: ThreadPoolExecutor | None = None
         for spec in (self.p.tokenizer, *self.p.models.values()):
             if spec is not None and spec.kind == "hf":
@@ -417,12 +416,12 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
                         raise ConfigError(f"tokenizer: {path} does not exist")
 
     async def start(self) -> None:
-        specs = {s for s in (self.p.tokenizer, *self.p.models.values()) if s is not None}
-        for spec in specs:
-            self._chat[spec] = await asyncio.to_thread(self._build, spec)
-        self._chat_by_id = {id(s): self._chat[s] for s in (self.p.tokenizer,
-                                                           *self.p.models.values())
-                            if s is not None}
+        given = [s for s in (self.p.tokenizer, *self.p.models.values()) if s is not None]
+        built: dict[TokenizerSpec, ChatTokenizer] = {}  # equal specs: built once
+        for spec in given:
+            if spec not in built:
+                built[spec] = await asyncio.to_thread(self._build, spec)
+        self._chat = {id(spec): built[spec] for spec in given}
         self._pool = ThreadPoolExecutor(self.p.threads, thread_name_prefix="kvgate-tokenize")
 
     def _build(self, spec: TokenizerSpec) -> ChatTokenizer:
@@ -444,7 +443,7 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
 
     def chat_tokenizer(self, model: str) -> ChatTokenizer | None:
         spec = self.p.models.get(model, self.p.tokenizer)
-        return None if spec is None else self._chat_by_id.get(id(spec))
+        return None if spec is None else self._chat.get(id(spec))
 
     async def prepare(
         self, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]
