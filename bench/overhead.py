@@ -36,6 +36,7 @@ from bench.systems import (
     KVGATE_UVICORN,
     SGLANG_ROUTER,
     VLLM_ROUTER,
+    VLLM_ROUTER_CA,
     System,
     catalogue,
 )
@@ -198,7 +199,11 @@ def per_core_targets(med: Medians, large_bytes: int, rate: float) -> dict[str, A
                        harness.get(med, VLLM_ROUTER, label, "rps"))
         by_cpu = ratio(harness.get(med, VLLM_ROUTER, label, "cpu_us_per_req"),
                        harness.get(med, KVGATE, label, "cpu_us_per_req"))
+        # context, not the target: vllm-router with its cache-aware default policy
+        by_cpu_ca = ratio(harness.get(med, VLLM_ROUTER_CA, label, "cpu_us_per_req"),
+                          harness.get(med, KVGATE, label, "cpu_us_per_req"))
         out[label] = {"need": need, "share_by_rps": by_rps, "share_by_cpu": by_cpu,
+                      "share_by_cpu_vs_cache_aware": by_cpu_ca,
                       "pass": None if by_rps is None else by_rps >= need}
     open_label = Cell(False, large_bytes, "open").label
     rps = harness.get(med, KVGATE, open_label, "rps")
@@ -221,6 +226,9 @@ def per_core_text(checks: Mapping[str, Any]) -> str:
             lines.append(f"- {label}: req/s per core vs vllm-router {fmt(check['share_by_rps'])} "
                          f"(by CPU µs/req {fmt(check['share_by_cpu'])}), need >= "
                          f"{check['need']:g} -> {verdict}")
+            if check.get("share_by_cpu_vs_cache_aware") is not None:
+                lines.append(f"  - context: by CPU µs/req vs vllm-router's cache_aware policy "
+                             f"{fmt(check['share_by_cpu_vs_cache_aware'])}")
         else:
             flag = check["unsaturated"]
             verdict = "n/a" if flag is None else ("not saturated" if flag else "SATURATED")
@@ -298,8 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_json(opts, measurements, med, failed,
                {"targets": targets, "per_core_targets": per_core, **extra})
     print(f"\n## Medians of {opts.cfg.trials} trial(s)\n")
-    baselines = [s for s in (DIRECT, VLLM_ROUTER, SGLANG_ROUTER, KVGATE_UVICORN, KVGATE_BASE)
-                 if s in measured]
+    baselines = [s for s in (DIRECT, VLLM_ROUTER, VLLM_ROUTER_CA, SGLANG_ROUTER, KVGATE_UVICORN,
+                             KVGATE_BASE) if s in measured]
     subject = KVGATE if KVGATE in measured else None
     print(harness.results_table(med, measured, opts.cells, subject, baselines))
     print("\n## Added over direct\n")

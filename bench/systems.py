@@ -27,6 +27,10 @@ KVGATE_UVICORN = "kvgate-uvicorn"
 KVGATE_BASE = "kvgate-base"
 BASE_TREE_ENV = "KVGATE_BASE_TREE"
 VLLM_ROUTER = "vllm-router"
+#: vllm-router with its own default policy, ``cache_aware`` (a radix tree of each request's
+#: text per worker): the like-for-like peer of kvgate's cache-aware default. ``vllm-router``
+#: runs ``round_robin``, the cheapest policy, which issue 12's per-core target names.
+VLLM_ROUTER_CA = "vllm-router-cache-aware"
 SGLANG_ROUTER = "sglang-router"
 PASS_AIOHTTP = "passthrough-aiohttp"
 PASS_HTTPX = "passthrough-httpx"
@@ -78,14 +82,17 @@ def _kvgate_base(upstream: str, port: int, aux: int, root: Path) -> list[str]:
     return ["env", f"PYTHONPATH={Path(tree).resolve()}", *_kvgate(upstream, port, aux, root)]
 
 
-def _vllm_router(upstream: str, port: int, aux: int, root: Path) -> list[str]:
-    program = venvs.bin_path(venvs.VLLM_ROUTER, "vllm-router", root)
-    return [
-        str(program), "--worker-urls", upstream, "--policy", "round_robin",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(aux),
-        "--log-level", "warning",
-    ]
+def _vllm_router_with(policy: str) -> Argv:
+    def argv(upstream: str, port: int, aux: int, root: Path) -> list[str]:
+        program = venvs.bin_path(venvs.VLLM_ROUTER, "vllm-router", root)
+        return [
+            str(program), "--worker-urls", upstream, "--policy", policy,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(aux),
+            "--log-level", "warning",
+        ]
+
+    return argv
 
 
 def _sglang_router(upstream: str, port: int, aux: int, root: Path) -> list[str]:
@@ -118,7 +125,8 @@ def catalogue() -> dict[str, System]:
                own_workdir=True),
         System(KVGATE_BASE, _kvgate_base, start_timeout_s=120.0, ready_path="/v1/models",
                own_workdir=True),
-        System(VLLM_ROUTER, _vllm_router, tool=venvs.VLLM_ROUTER),
+        System(VLLM_ROUTER, _vllm_router_with("round_robin"), tool=venvs.VLLM_ROUTER),
+        System(VLLM_ROUTER_CA, _vllm_router_with("cache_aware"), tool=venvs.VLLM_ROUTER),
         System(SGLANG_ROUTER, _sglang_router, tool=venvs.SGLANG_ROUTER),
         System(PASS_AIOHTTP, _passthrough("aiohttp")),
         System(PASS_HTTPX, _passthrough("httpx")),

@@ -64,13 +64,14 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from middleware.errors import HTTPError
+from middleware.immutable import immutable
 from middleware.types import ChatPrompt, Prompt, TextPrompt, TokenPrompt, Usage
 
 #: The path segment of a by-id route (``GET /v1/responses/{id}``), matching one path segment.
 ID_SEGMENT = "{id}"
 
 
-@dataclass(frozen=True, slots=True)
+@immutable
 class ParsedRequest:
     """What the core needs from a body; the body itself stays the client's (bytes forwarded
     unchanged unless a plugin or :meth:`ApiAdapter.prepare_body` changes it)."""

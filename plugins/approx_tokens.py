@@ -77,7 +77,8 @@ def render_chat(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bo
     if not isinstance(messages, Sequence) or isinstance(messages, str | bytes):
         raise TypeError("messages must be a list")
     return "".join(
-        render_message(m) if isinstance(m, Mapping) else _canonical(m) + _END for m in messages
+        render_message(m) if type(m) is dict or isinstance(m, Mapping) else _canonical(m) + _END
+        for m in messages
     )
 
 

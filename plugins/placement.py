@@ -74,6 +74,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from middleware.access_log import add_log_field
 from middleware.errors import ConfigError
+from middleware.immutable import immutable
 from middleware.plugin import (
     DispatchHook,
     EndpointSetListener,
@@ -161,7 +162,7 @@ class PlacementStats:
     remote_inserted_tokens: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@immutable
 class Placement:
     """One scoring: cost per engine [tokens], the engine holding most beyond the others."""
 

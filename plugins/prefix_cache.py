@@ -37,7 +37,6 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from prometheus_client.core import Metric
@@ -45,6 +44,7 @@ from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from middleware.errors import ConfigError
+from middleware.immutable import immutable
 from middleware.plugin import (
     DataProducer,
     DispatchHook,
@@ -90,7 +90,7 @@ _PREDICTED: StateKey[Found] = StateKey("prefix-cache-predicted")
 _SHARED: StateKey[int] = StateKey("prefix-cache-shared-tier")
 
 
-@dataclass(frozen=True, slots=True)
+@immutable
 class _Check:
     """A dispatch to one engine whose usage will be compared with the prediction."""
 

@@ -9,8 +9,11 @@ from the last common block's hash (step 4 of the record hash: ``h_i`` depends on
 ``h_{i-1}`` and block ``i``). The result is the same list :func:`~plugins.record_hash.chain`
 returns, whatever the memo holds (the tests compare them).
 
-Cost of a hit: one comparison of the two prompts' ids (numpy, ~20 us for 50k ids) and a copy
-of the new ids, instead of the ~5 numpy passes over them (block sums) that hashing takes.
+Cost of a hit: the new ids' bytes (one copy) and a ``memcmp`` of the two prompts' ids when one
+extends the other (an agent's next turn, a repeated prompt: no numpy call, which matters for
+short prompts, where numpy's fixed cost per call dominates), else one numpy comparison to find
+where they diverge (~20 us for 50k ids); instead of the ~5 numpy passes over them (block sums)
+that hashing takes.
 
 Keys: ``(group, scope, block size, first block's ids)``: the scope (LoRA adapter, cache salt,
 tenant) is part of the key, so one tenant's prompts are never compared with another's. Sessions
@@ -34,6 +37,8 @@ from plugins import record_hash
 
 #: Bytes a remembered hash costs (a Python int in a list: 32 B object + 8 B pointer).
 _HASH_BYTES = 40
+#: Bytes per remembered token id (uint32).
+_ID_BYTES = 4
 #: Default bound: ~160 agent prompts of 200 KiB (one per concurrent session of a busy replica).
 DEFAULT_MAX_BYTES = 32 * 1024 * 1024
 
@@ -54,12 +59,13 @@ class ChainMemoStats:
 
 @dataclass(slots=True)
 class _Entry:
-    ids: npt.NDArray[np.uint32]
+    #: The prompt's full-block ids as native uint32 bytes (:func:`record_hash.id_bytes`).
+    ids: bytes
     hashes: list[int]
 
     @property
     def size(self) -> int:
-        return int(self.ids.nbytes) + _HASH_BYTES * len(self.hashes)
+        return len(self.ids) + _HASH_BYTES * len(self.hashes)
 
 
 class ChainMemo:
@@ -84,13 +90,14 @@ class ChainMemo:
         n_blocks = len(token_ids) // block_size
         if n_blocks == 0 or self.max_bytes <= 0:
             return record_hash.chain(token_ids, block_size, group_idx=group_idx, scope=scope)
-        ids = record_hash.uint32_ids(token_ids, n_blocks * block_size)
-        key = (group_idx, scope, block_size, ids[:block_size].tobytes())
+        raw = record_hash.id_bytes(token_ids, n_blocks * block_size)
+        key = (group_idx, scope, block_size, raw[:_ID_BYTES * block_size])
         entry = self._entries.get(key)
-        common = 0 if entry is None else _common_blocks(entry.ids, ids, block_size)
+        common = 0 if entry is None else _common_blocks(entry.ids, raw, block_size)
         if entry is None:
             self.stats.misses += 1
-            hashes = record_hash.chain_from(ids, block_size, record_hash.root(group_idx, scope))
+            hashes = record_hash.chain_from(_view(raw), block_size,
+                                            record_hash.root(group_idx, scope))
         elif common == n_blocks == len(entry.hashes):  # the same full blocks again
             self.stats.hits += 1
             self.stats.reused_blocks += common
@@ -99,11 +106,11 @@ class ChainMemo:
         else:
             self.stats.hits += 1
             h = entry.hashes[common - 1] if common else record_hash.root(group_idx, scope)
-            tail = record_hash.chain_from(ids[common * block_size:], block_size, h)
+            tail = record_hash.chain_from(_view(raw)[common * block_size:], block_size, h)
             hashes = entry.hashes[:common] + tail
         self.stats.reused_blocks += common
         self.stats.hashed_blocks += n_blocks - common
-        self._keep(key, _Entry(ids.copy(), hashes))
+        self._keep(key, _Entry(raw, hashes))
         return list(hashes)
 
     def _keep(self, key: _Key, entry: _Entry) -> None:
@@ -120,11 +127,17 @@ class ChainMemo:
             self.stats.evicted += 1
 
 
-def _common_blocks(old: npt.NDArray[np.uint32], new: npt.NDArray[np.uint32],
-                   block_size: int) -> int:
-    """Whole blocks both id arrays start with."""
-    length = min(len(old), len(new))
-    same = old[:length] == new[:length]
-    if bool(np.logical_and.reduce(same)):  # ``same.all()`` without its Python-level wrapper
-        return length // block_size
+def _view(raw: bytes) -> npt.NDArray[np.uint32]:
+    return np.frombuffer(raw, dtype=np.uint32)
+
+
+def _common_blocks(old: bytes, new: bytes, block_size: int) -> int:
+    """Whole blocks both id byte strings start with. A prompt that extends (or repeats) the
+    remembered one, an agent's next turn, is one ``memcmp`` (``startswith``: no copy, no
+    numpy call); prompts that diverge are compared in numpy to find where."""
+    width = _ID_BYTES * block_size
+    if new.startswith(old) or old.startswith(new):
+        return min(len(old), len(new)) // width
+    length = min(len(old), len(new)) // _ID_BYTES
+    same = _view(old)[:length] == _view(new)[:length]
     return int(np.argmin(same)) // block_size

@@ -7,8 +7,9 @@ A plugin that can work without a key reads it with ``state.get`` and does not de
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 
+from middleware.immutable import immutable
 from middleware.types import EndpointId, StateKey
 
 #: The request's prompt as the engine will tokenize it (chat template applied), or the client's
@@ -17,7 +18,7 @@ from middleware.types import EndpointId, StateKey
 TOKEN_IDS: StateKey[Sequence[int]] = StateKey("token-ids")
 
 
-@dataclass(frozen=True, slots=True)
+@immutable
 class PrefixMatch:
     """Per endpoint, how many leading prompt tokens the engine holds (by tier)."""
 

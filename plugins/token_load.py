@@ -59,6 +59,7 @@ from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from middleware.errors import ConfigError
+from middleware.immutable import immutable
 from middleware.plugin import (
     CompletionHook,
     DispatchHook,
@@ -85,7 +86,7 @@ from plugins.shared_load import CounterShare, LoadCollector, LoadExchange, conne
 from plugins.state import PREFIX_MATCH, TOKEN_IDS, PrefixMatch
 
 
-@dataclass(frozen=True, slots=True)
+@immutable
 class EngineLoad:
     """In-flight load on one engine, in tokens (``requests``: dispatches)."""
 
@@ -109,7 +110,7 @@ class EngineLoad:
 IDLE = EngineLoad()
 
 
-@dataclass(frozen=True, slots=True)
+@immutable
 class Charge:
     """What one dispatch puts on one engine, in tokens."""
 
@@ -118,7 +119,7 @@ class Charge:
     decode_tokens: int
 
 
-@dataclass(frozen=True, slots=True)
+@immutable
 class _Entry:
     request_id: str
     charges: tuple[Charge, ...]

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from pricing.cost import TokenCounts
 
@@ -55,9 +55,15 @@ def count(value: object) -> int | None:
     return None
 
 
+def _is_mapping(value: object) -> TypeGuard[Mapping[str, Any]]:
+    """``isinstance(value, Mapping)``, a parsed JSON object (a dict) tested first: the ABC
+    check is a Python-level call, and usage is read on every answer."""
+    return type(value) is dict or isinstance(value, Mapping)
+
+
 def _sub(usage: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     value = usage.get(key)
-    return value if isinstance(value, Mapping) else {}
+    return value if _is_mapping(value) else {}
 
 
 def _first(*values: object) -> int | None:
@@ -149,7 +155,7 @@ NORMALISERS: Mapping[Convention, Callable[[Mapping[str, Any]], TokenCounts | Non
 
 def normalise(convention: Convention, usage: object) -> TokenCounts | None:
     """``usage`` (the provider's usage object) in OpenAI semantics; None if unrecognisable."""
-    if not isinstance(usage, Mapping):
+    if not _is_mapping(usage):
         return None
     return NORMALISERS[convention](usage)
 
