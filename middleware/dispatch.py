@@ -286,16 +286,20 @@ class Dispatcher:
         return await self.run(ctx, target, partial(self._route, ctx, decision), last=last,
                               release=lease.release)
 
-    async def _route(self, ctx: RequestContext, decision: RoutingDecision,
-                     attempt: Attempt) -> None:
+    def _route(self, ctx: RequestContext, decision: RoutingDecision,
+               attempt: Attempt) -> Coroutine[Any, Any, None]:
         """One hop to the target, or two (prefill, then/with decode) when the decision names a
-        prefill engine, a connector is configured and the API allows it (middleware/disagg)."""
+        prefill engine, a connector is configured and the API allows it (middleware/disagg).
+        Returns the hop's coroutine (no coroutine layer of its own on the one-hop path)."""
         prefill = decision.prefill
         if (self.two_hop is None or prefill is None or prefill.id == decision.target.id
                 or not ctx.adapter.disaggregable):
-            await self._forward(ctx, attempt)
-            return
-        assert self.session is not None
+            return self._forward(ctx, attempt)
+        return self._two_hops(ctx, decision, prefill, attempt)
+
+    async def _two_hops(self, ctx: RequestContext, decision: RoutingDecision, prefill: Endpoint,
+                        attempt: Attempt) -> None:
+        assert self.session is not None and self.two_hop is not None
         ctx.engines.append(f"prefill:{prefill.id}")
 
         async def forward(body: dict[str, Any] | None, rewriter: UsageRewriter | None,
@@ -303,7 +307,6 @@ class Dispatcher:
             await self._forward(ctx, att, body, rewriter)
 
         async def done(ok: bool) -> None:
-            assert prefill is not None
             for hook in self.pipeline.prefill_hooks:
                 await hook.on_prefill_done(ctx.request, ctx.state, prefill, ok)
 

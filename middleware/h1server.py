@@ -67,6 +67,19 @@ BODY_HIGH_WATER = 1 << 20
 _HEADER_NAME = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
 _HEADER_VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+def _check_headers(pairs: list[tuple[bytes, bytes]]) -> None:
+    """Refuse a response header whose name is not a token or whose value holds a control
+    character (response splitting), as uvicorn does: one search over all the names joined and
+    one over all the values (a concatenation is clean exactly when each part is); the
+    offending header is looked for only when one fails."""
+    if not (_HEADER_NAME.search(b"".join([n for n, _ in pairs]))
+            or _HEADER_VALUE.search(b"".join([v for _, v in pairs]))):
+        return
+    for name, value in pairs:
+        if _HEADER_NAME.search(name) or _HEADER_VALUE.search(value):
+            raise RuntimeError(f"invalid HTTP response header {name!r}")
 _DISCONNECT: Message = {"type": "http.disconnect"}
 
 
@@ -206,9 +219,9 @@ class _Exchange:
         out = [_STATUS[status]]
         length: int | None = None
         close = False
-        for name, value in [*self.conn.state.default_headers, *headers]:
-            if _HEADER_NAME.search(name) or _HEADER_VALUE.search(value):
-                raise RuntimeError(f"invalid HTTP response header {name!r}")
+        pairs = [*self.conn.state.default_headers, *headers]
+        _check_headers(pairs)
+        for name, value in pairs:
             name = name.lower()
             if name == b"content-length" and length is None and not self.chunked:
                 length = int(value)

@@ -114,6 +114,7 @@ class EndpointPool:
         self._listeners = tuple(listeners)
         self._snapshot: tuple[Endpoint, ...] = ()
         self._dirty = True
+        self._models: frozenset[str] | None = None
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._last_metrics = 0.0
@@ -181,10 +182,14 @@ class EndpointPool:
                    for e in self._engines.values())
 
     def models(self) -> frozenset[str]:
-        out: set[str] = set()
-        for engine in self._engines.values():
-            out |= engine.models
-        return frozenset(out)
+        """Every model some engine serves (read twice per request: kept until discovery
+        changes an engine's models)."""
+        if self._models is None:
+            out: set[str] = set()
+            for engine in self._engines.values():
+                out |= engine.models
+            self._models = frozenset(out)
+        return self._models
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self, session: aiohttp.ClientSession) -> None:
@@ -262,6 +267,8 @@ class EndpointPool:
             payload: Any = json.loads(body)
             if isinstance(payload, dict):
                 engine.models = engine.adapter.parse_models(payload)
+                self._models = None
+                self._dirty = True  # the snapshot's Endpoint.models too
 
     async def _scrape(self, engine: _Engine) -> None:
         assert engine.adapter.metrics_path is not None

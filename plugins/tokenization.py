@@ -455,7 +455,10 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
         chat = self.chat_tokenizer(req.model)
         if ids is None and (work := self._work(req, chat)) is not None:
             try:
-                ids = await self._run(work, _text_size(req), _offloads(chat))
+                size = _text_size(req)
+                offload = (self._pool is not None and _offloads(chat)
+                           and size >= self.p.offload_min_chars)
+                ids = await self._offloaded(work) if offload else work()
             except TokenizationError as exc:
                 self.stats.failures += 1
                 log.debug("request %s: not tokenized: %s", req.request_id, exc)
@@ -489,10 +492,10 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
         gen = prompt.add_generation_prompt
         return lambda: chat.tokenize(messages, gen, extra)
 
-    async def _run(self, work: Callable[[], Sequence[int]], size: int,
-                   offload: bool = True) -> Sequence[int]:
-        if self._pool is None or not offload or size < self.p.offload_min_chars:
-            return work()
+    async def _offloaded(self, work: Callable[[], Sequence[int]]) -> Sequence[int]:
+        """``work`` on the tokenization pool (a large prompt with a tokenizer that releases the
+        GIL); smaller ones run inline, without a coroutine of their own."""
+        assert self._pool is not None
         self.stats.offloaded += 1
         return await asyncio.get_running_loop().run_in_executor(self._pool, work)
 

@@ -13,7 +13,8 @@ import pytest
 
 from engines.sim.faults import FaultSpec
 from engines.sim.testing import RunningSim
-from middleware.app import KvgateApp
+from middleware.app import KvgateApp, create_app
+from middleware.config import parse_config
 from tests.integration.billing_helpers import sse_events
 from tests.integration.conftest import gateway, gateway_config, sim_fleet
 
@@ -232,3 +233,24 @@ async def test_authorization_never_logged(fleet: list[RunningSim],
                               headers={"authorization": f"Bearer {secret}"})
     assert "retrying" in caplog.text  # something was logged on the error path
     assert secret not in caplog.text
+
+
+async def test_discovered_models_reach_the_model_set_and_the_snapshot() -> None:
+    """Engines without configured models: ``/v1/models`` discovery fills the pool's model set
+    (kept between requests, rebuilt when discovery changes it: it was read empty before) and
+    the endpoint snapshot; each model is served by the engine that lists it, another is a 404."""
+    async with sim_fleet(1, served_model_names=["model-a"]) as a, \
+            sim_fleet(1, served_model_names=["model-b"]) as b:
+        app = create_app(parse_config(gateway_config([a[0].url, b[0].url]), "test"))
+        assert app.pool.models() == frozenset()  # nothing configured, nothing discovered yet
+        async with app.running():
+            assert app.pool.models() == {"model-a", "model-b"}
+            assert {ep.id: ep.models for ep in app.pool.snapshot()} == {
+                "sim-0": {"model-a"}, "sim-1": {"model-b"}}
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+                for model, engine in (("model-a", "sim-0"), ("model-b", "sim-1")):
+                    r = await client.post("/v1/chat/completions", json={**CHAT, "model": model})
+                    assert (r.status_code, r.headers["x-kvgate-engine"]) == (200, engine)
+                r = await client.post("/v1/chat/completions", json={**CHAT, "model": "model-c"})
+                assert r.status_code == 404

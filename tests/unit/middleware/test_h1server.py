@@ -23,6 +23,9 @@ from middleware.h1server import BODY_HIGH_WATER, H1Protocol, _Exchange
 #: Safety net for waits on events (a hung test fails instead of blocking the suite).
 WAIT_S = 10.0
 Message = dict[str, Any]
+#: Response headers the server refuses (a 500 instead), by the path whose app sends them.
+BAD_HEADERS = {"/bad-header": (b"x-evil", b"a\r\nset-cookie: b"),
+               "/bad-name": (b"x evil", b"a"), "/nul-value": (b"x-evil", b"a\x00b")}
 
 
 class App:
@@ -40,9 +43,9 @@ class App:
         body = await self._read(path, receive)
         if path == "/boom":
             raise RuntimeError("boom")
-        if path == "/bad-header":
+        if path in BAD_HEADERS:  # after a clean header: the check covers every one
             await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"x-evil", b"a\r\nset-cookie: b")]})
+                        "headers": [(b"x-clean", b"ok"), BAD_HEADERS[path]]})
             return
         if path == "/wait-disconnect":  # two watchers, one of them cancelled: both kinds end
             cancelled = asyncio.ensure_future(receive())
@@ -198,6 +201,8 @@ async def test_expect_100_continue() -> None:
     ("unparsable request", b"NOT HTTP\r\n\r\n", 400, b"Invalid HTTP request received."),
     ("app fails before answering", post("/boom", b""), 500, b"Internal Server Error"),
     ("response splitting refused", post("/bad-header", b""), 500, b"Internal Server Error"),
+    ("header name not a token", post("/bad-name", b""), 500, b"Internal Server Error"),
+    ("control character in a value", post("/nul-value", b""), 500, b"Internal Server Error"),
 ])
 async def test_answers_that_close_the_connection(name: str, raw: bytes, status: int,
                                                  body: bytes) -> None:

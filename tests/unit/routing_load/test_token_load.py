@@ -73,6 +73,11 @@ OUTPUTS = [
     ("n absent or 0", {"max_tokens": 10, "n": 0}, 10),
     ("bool is not an int", {"max_tokens": True}, 256),
     ("zero", {"max_tokens": 0}, 0),
+    ("invalid max_completion_tokens: max_tokens", {"max_completion_tokens": "5", "max_tokens": 7},
+     7),
+    ("negative: default", {"max_tokens": -1}, 256),
+    ("invalid n: one choice", {"max_tokens": 10, "n": "3"}, 10),
+    ("null fields: default", {"max_tokens": None, "max_completion_tokens": None, "n": None}, 256),
 ]
 
 
