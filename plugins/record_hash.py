@@ -106,15 +106,10 @@ def _ids(token_ids: Sequence[int] | npt.NDArray[np.uint32],
 
 def id_bytes(token_ids: Sequence[int] | npt.NDArray[np.uint32], count: int) -> bytes:
     """The first ``count`` ids as native-order uint32 bytes (one copy; range-checked like
-    :func:`uint32_ids`): what the chain memo (plugins/record_chains.py) compares and keeps."""
+    :func:`_ids`): what the chain memo (plugins/record_chains.py) compares and keeps."""
     if isinstance(token_ids, array) and token_ids.itemsize == 4 and token_ids.typecode in "IL":
         return memoryview(token_ids)[:count].tobytes()
     return _ids(token_ids, count).tobytes()
-
-
-def uint32_ids(token_ids: Sequence[int], count: int) -> npt.NDArray[np.uint32]:
-    """The first ``count`` ids as a uint32 array (zero-copy where possible; range-checked)."""
-    return _ids(token_ids, count)
 
 
 def _fmix64(x: U64Array) -> U64Array:

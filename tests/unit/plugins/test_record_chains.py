@@ -9,6 +9,7 @@ from array import array
 import pytest
 
 from plugins import record_hash
+from plugins.kv_hashing import HashingError
 from plugins.record_chains import ChainMemo
 
 
@@ -37,11 +38,13 @@ def _edit(rng: random.Random, base: list[int], how: str) -> list[int]:
                                  "new-after-first-block"])
 @pytest.mark.parametrize("block_size", [64, 63, 16])
 @pytest.mark.parametrize("as_array", [False, True])
-def test_same_chain_as_hashing_whole(how: str, block_size: int, as_array: bool) -> None:
-    rng = random.Random(f"{how}-{block_size}")
+@pytest.mark.parametrize("blocks", [120, 6])  # past the vectorised threshold; a 1 KiB chat's
+def test_same_chain_as_hashing_whole(how: str, block_size: int, as_array: bool,
+                                     blocks: int) -> None:
+    rng = random.Random(f"{how}-{block_size}-{blocks}")
     memo = ChainMemo()
     scope = ("lora", None, "t1")
-    prompt = _ids(rng, 64 * 120 + 5)  # past the vectorised threshold
+    prompt = _ids(rng, 64 * blocks + 5)
     for _turn in range(4):
         ids = array("I", prompt) if as_array else prompt
         got = memo.chain(ids, block_size, group_idx=1, scope=scope)
@@ -50,6 +53,14 @@ def test_same_chain_as_hashing_whole(how: str, block_size: int, as_array: bool) 
     assert memo.stats.hits == 3 and memo.stats.misses == 1
     if how in ("extend", "repeat"):
         assert memo.stats.reused_blocks >= 3 * (len(prompt) // block_size) // 2
+
+
+@pytest.mark.parametrize("bad", [-1, 2**32])
+def test_ids_out_of_range_are_refused(bad: int) -> None:
+    memo = ChainMemo()
+    with pytest.raises(HashingError):
+        memo.chain([1] * 64 + [bad] + [2] * 63, 64)
+    assert len(memo) == 0
 
 
 def test_scopes_and_block_sizes_never_share() -> None:
