@@ -84,6 +84,7 @@ from middleware.types import (
 )
 from plugins.shared_load import CounterShare, LoadCollector, LoadExchange, connect
 from plugins.state import PREFIX_MATCH, TOKEN_IDS, PrefixMatch
+from pricing.usage_conventions import count
 
 
 @immutable
@@ -259,23 +260,16 @@ def uncached_tokens(prompt: int, match: PrefixMatch | None, endpoint: EndpointId
     return max(0, prompt - held)
 
 
-def _count(value: object) -> int | None:
-    """A non-negative int field's value (not a bool), else None."""
-    if value is None or not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        return None
-    return value
-
-
 def expected_output_tokens(body: Mapping[str, Any], default: int, cap: int) -> int:
     """Output tokens to expect: the client's limit capped at ``cap``, else ``default``; * n.
     (Read twice per request, by this scorer and the placement scorer: a body that sets none
     of the fields costs three dict lookups.)"""
-    limit = _count(body.get("max_completion_tokens"))
+    limit = count(body.get("max_completion_tokens"))
     if limit is None:
-        limit = _count(body.get("max_tokens"))
+        limit = count(body.get("max_tokens"))
     per_choice = default if limit is None else min(limit, cap)
     n = body.get("n")
-    return per_choice if n is None else per_choice * max(1, _count(n) or 1)
+    return per_choice if n is None else per_choice * max(1, count(n) or 1)
 
 
 def load_scores(
