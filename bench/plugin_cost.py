@@ -26,6 +26,9 @@ Variants, all in each trial in a rotated order; the table gives medians:
   hash and match.
 * ``routing off``: the profile's filters and picker only, with no scorer, producer or hook.
 
+``--engines N`` puts N fake engines behind the gateway (one process each, on the load core):
+what grows with the fleet (snapshots, matches per engine, scores) then shows.
+
 Run: ``.venv/bin/python -m bench.plugin_cost`` (about 3 minutes with the defaults). It writes
 ``bench/results/plugin-cost-<timestamp>.json`` and prints a markdown table.
 """
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
 import json
 import statistics
@@ -125,11 +129,11 @@ def table(summary: Mapping[str, Mapping[str, float]], skipped: Mapping[str, str]
 
 
 # -- config ------------------------------------------------------------------------------------
-def preset_data(upstream: str) -> dict[str, Any]:
-    """The config data ``kvgate serve --engine <upstream>`` builds (the default preset)."""
+def preset_data(upstreams: Sequence[str]) -> dict[str, Any]:
+    """The config data ``kvgate serve --engine URL ...`` builds (the default preset)."""
     from middleware.quickstart import DEFAULT_PRESET, QuickStart, presets
 
-    qs = QuickStart(engines=(upstream,))
+    qs = QuickStart(engines=tuple(upstreams))
     return {"engines": qs.engine_list(), **presets()[DEFAULT_PRESET](qs)}
 
 
@@ -269,9 +273,9 @@ def measure_variant(config_path: Path, args: argparse.Namespace) -> float:
     return float(json.loads(lines[-1][len(RESULT_MARK):])["cpu_us_per_request"])
 
 
-def run(args: argparse.Namespace, upstream: str, work: Path) -> dict[str, Any]:
+def run(args: argparse.Namespace, upstreams: Sequence[str], work: Path) -> dict[str, Any]:
     """Every variant ``args.trials`` times (rotated order); the result document."""
-    data = preset_data(upstream)
+    data = preset_data(upstreams)
     skipped: dict[str, str] = {}
     paths: dict[str, Path] = {}
     for name, variant in variants(data, profile_keep(data)).items():
@@ -294,6 +298,16 @@ def run(args: argparse.Namespace, upstream: str, work: Path) -> dict[str, Any]:
             "table": table(summary, skipped)}
 
 
+def _upstream(stack: contextlib.ExitStack, log: Path) -> str:
+    """One fake engine on the load core, stopped with ``stack``; its base URL."""
+    port = procs.free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "bench.upstream", "--host", "127.0.0.1", "--port", str(port)]
+    proc = stack.enter_context(procs.running(argv, harness.LOAD_CPU, log))
+    procs.wait_healthy(url + "/health", proc, 30.0, log)
+    return url
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bench.plugin_cost",
@@ -302,6 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=400, help="untimed requests first")
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     parser.add_argument("--body-size", type=int, default=1024, help="chat body size [bytes]")
+    parser.add_argument("--engines", type=int, default=1,
+                        help="fake engines (one process each, on the load core)")
     parser.add_argument("--trials", type=int, default=3, help="runs of every variant")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="per worker")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: timestamped)")
@@ -313,18 +329,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.worker is not None:
         return run_worker(args)
-    if min(args.requests, args.concurrency, args.trials, args.body_size) < 1 or args.warmup < 0:
-        raise SystemExit("--requests, --concurrency, --trials and --body-size must be >= 1")
+    if min(args.requests, args.concurrency, args.trials, args.body_size, args.engines) < 1 \
+            or args.warmup < 0:
+        raise SystemExit("--requests, --concurrency, --trials, --body-size and --engines "
+                         "must be >= 1")
     out = args.out or RESULTS_DIR / f"plugin-cost-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    with tempfile.TemporaryDirectory(prefix="kvgate-plugin-cost-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kvgate-plugin-cost-") as tmp, \
+            contextlib.ExitStack() as stack:
         work = Path(tmp)
-        port = procs.free_port()
-        upstream = f"http://127.0.0.1:{port}"
-        argv_up = [sys.executable, "-m", "bench.upstream", "--host", "127.0.0.1",
-                   "--port", str(port)]
-        with procs.running(argv_up, harness.LOAD_CPU, work / "upstream.log") as proc:
-            procs.wait_healthy(upstream + "/health", proc, 30.0, work / "upstream.log")
-            doc = run(args, upstream, work)
+        upstreams = [_upstream(stack, work / f"upstream-{i}.log") for i in range(args.engines)]
+        doc = run(args, upstreams, work)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     print(doc["table"])

@@ -33,7 +33,7 @@ class _Engine:
     """Mutable live state of one engine; only the pool touches it."""
 
     __slots__ = (
-        "adapter", "breaker", "config", "confirmed", "failures", "headers", "healthy",
+        "adapter", "breaker", "config", "confirmed", "endpoint", "failures", "headers", "healthy",
         "in_flight_requests", "in_flight_tokens", "last_error", "metrics", "models",
     )
 
@@ -52,16 +52,25 @@ class _Engine:
         self.failures = 0
         self.last_error: str | None = None
         self.headers = _auth_headers(config)
+        #: The last snapshot of this engine; None once something in it changed (the pool
+        #: clears it where it marks its own snapshot dirty).
+        self.endpoint: Endpoint | None = None
 
     def snapshot(self) -> Endpoint:
-        c = self.config
-        return Endpoint(
-            id=c.name, url=c.url, kind=c.kind, role=c.role, models=self.models,
-            healthy=self.healthy and self.breaker.allows(),
-            in_flight_requests=self.in_flight_requests,
-            in_flight_tokens=self.in_flight_tokens, metrics=self.metrics, labels=c.labels,
-            kv_events=c.kv_events, kv_events_replay=c.kv_events_replay,
-        )
+        """The engine as scheduling sees it: the last snapshot unless it changed since. A
+        request changes only the engine it went to, so a fleet of N engines rebuilds one
+        ``Endpoint`` per change, not N."""
+        ep = self.endpoint
+        if ep is None:
+            c = self.config
+            ep = self.endpoint = Endpoint(
+                id=c.name, url=c.url, kind=c.kind, role=c.role, models=self.models,
+                healthy=self.healthy and self.breaker.allows(),
+                in_flight_requests=self.in_flight_requests,
+                in_flight_tokens=self.in_flight_tokens, metrics=self.metrics, labels=c.labels,
+                kv_events=c.kv_events, kv_events_replay=c.kv_events_replay,
+            )
+        return ep
 
 
 def _auth_headers(config: EngineConfig) -> dict[str, str]:
@@ -92,7 +101,7 @@ class Lease:
             engine.in_flight_requests -= 1
             engine.in_flight_tokens -= self._tokens
             engine.breaker.on_release()
-            self._pool._dirty = True
+            self._pool.changed(engine)
 
 
 class EndpointPool:
@@ -137,7 +146,7 @@ class EndpointPool:
         engine.in_flight_requests += 1
         engine.in_flight_tokens += tokens
         engine.breaker.on_dispatch()
-        self._dirty = True
+        self.changed(engine)
         return Lease(self, engine, tokens)
 
     def report_failure(self, endpoint_id: EndpointId, reason: str) -> None:
@@ -163,8 +172,13 @@ class EndpointPool:
         self._breaker_moved(engine, moved, f"{engine.breaker.threshold} request failures in a "
                             f"row, the last: {error}" if moved is BreakerState.OPEN else error)
 
-    def _breaker_moved(self, engine: _Engine, to: BreakerState | None, why: str) -> None:
+    def changed(self, engine: _Engine) -> None:
+        """Something scheduling sees of ``engine`` changed: its next snapshot is rebuilt."""
+        engine.endpoint = None
         self._dirty = True
+
+    def _breaker_moved(self, engine: _Engine, to: BreakerState | None, why: str) -> None:
+        self.changed(engine)
         if to is None:
             return
         name = engine.config.name
@@ -221,7 +235,8 @@ class EndpointPool:
         if scrape:
             self._last_metrics = now
         await asyncio.gather(*(self._probe(e, scrape) for e in self._engines.values()))
-        self._dirty = True
+        for engine in self._engines.values():  # health, models, scraped metrics
+            self.changed(engine)
 
     # -- probing ------------------------------------------------------------------------
     async def _get(self, engine: _Engine, path: str) -> tuple[int, bytes]:
@@ -268,7 +283,7 @@ class EndpointPool:
             if isinstance(payload, dict):
                 engine.models = engine.adapter.parse_models(payload)
                 self._models = None
-                self._dirty = True  # the snapshot's Endpoint.models too
+                self.changed(engine)  # the snapshot's Endpoint.models too
 
     async def _scrape(self, engine: _Engine) -> None:
         assert engine.adapter.metrics_path is not None

@@ -87,7 +87,7 @@ def test_summary_and_table() -> None:
 def test_default_preset_variants_validate_or_say_why() -> None:
     """The real default preset: every variant but those whose removal breaks a dependency
     validates; routing off keeps only the profile's filters and picker."""
-    data = plugin_cost.preset_data("http://127.0.0.1:1")
+    data = plugin_cost.preset_data(["http://127.0.0.1:1"])
     keep = plugin_cost.profile_keep(data)
     assert keep == {"health-filter", "model-filter", "max-score-picker"}
     refused = {name: plugin_cost.refusal(v)
@@ -99,11 +99,12 @@ def test_default_preset_variants_validate_or_say_why() -> None:
 
 
 def test_a_tiny_real_run(tmp_path: Path) -> None:
-    """The whole benchmark, briefly: the fake engine, one worker per variant, the JSON."""
+    """The whole benchmark, briefly: two fake engines, one worker per variant, the JSON."""
     out = tmp_path / "cost.json"
     assert plugin_cost.main(["--requests", "40", "--warmup", "10", "--concurrency", "4",
-                             "--trials", "1", "--out", str(out)]) == 0
+                             "--trials", "1", "--engines", "2", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
+    assert [e["name"] for e in doc["preset"]["engines"]] == ["engine-0", "engine-1"]
     summary = doc["summary"]
     assert {"default", "routing off", "without token-load-scorer"} <= set(summary)
     assert all(row["cpu_us_per_request"] > 0 for row in summary.values())
