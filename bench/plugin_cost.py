@@ -279,6 +279,8 @@ def run(args: argparse.Namespace, upstreams: Sequence[str], work: Path) -> dict[
     skipped: dict[str, str] = {}
     paths: dict[str, Path] = {}
     for name, variant in variants(data, profile_keep(data)).items():
+        if args.variants and name not in args.variants:
+            continue
         reason = refusal(variant)
         if reason is not None:
             skipped[name] = reason
@@ -308,6 +310,10 @@ def _upstream(stack: contextlib.ExitStack, log: Path) -> str:
     return url
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in text.split(",") if n.strip())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bench.plugin_cost",
@@ -320,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fake engines (one process each, on the load core)")
     parser.add_argument("--trials", type=int, default=3, help="runs of every variant")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="per worker")
+    parser.add_argument("--variants", type=_names, default=(),
+                        help="comma-separated variants to run (default: all), e.g. "
+                             "'default,routing off'")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: timestamped)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return parser

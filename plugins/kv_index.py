@@ -209,9 +209,19 @@ class KvIndex(HolderTable):
         """Blocks of the longest held, unexpired prefix, by binary search (prefix-closed mode:
         held-and-unexpired is monotone along a chain). Every record is on the device tier. The
         first block past the match, when held but expired, is dropped as :meth:`_match_one`
-        does; recency is left alone (module docstring)."""
+        does; recency is left alone (module docstring). The two commonest answers take one
+        lookup: the whole chain (a repeated prompt: its last block is held), or none (an engine
+        that never saw its first block)."""
         get = holder.blocks.get
-        lo, hi = 0, len(hashes)  # blocks [0, lo) are held; [hi, n) are not
+        n = len(hashes)
+        if not n:
+            return 0
+        tail = get(hashes[-1])
+        if tail is not None and tail.expires > now:
+            return n
+        if get(hashes[0]) is None:
+            return 0
+        lo, hi = 0, n  # blocks [0, lo) are held; [hi, n) are not
         while lo < hi:
             mid = (lo + hi) // 2
             hold = get(hashes[mid])
@@ -219,7 +229,7 @@ class KvIndex(HolderTable):
                 lo = mid + 1
             else:
                 hi = mid
-        if lo < len(hashes) and get(hashes[lo]) is not None:
+        if lo < n and get(hashes[lo]) is not None:
             self._drop(holder, hashes[lo])
             self.stats.expired_blocks += 1
         return lo

@@ -295,10 +295,12 @@ class KvPlacementScorer(
         """The cost of each candidate (module docstring) and the engine holding the most."""
         for ep in eps:
             self._capacity[ep.id] = self.capacity(ep)
+        half_life = self._half_life()  # once: it sums the fleet's capacities
         prompt = prompt_tokens(req, state)
         match = state.get(PREFIX_MATCH)
         held = {ep.id: min(float(prompt), self.held(match, ep.id)) for ep in eps}
-        pressure = {ep.id: self.pressure(ep) + self.p.pressure_floor for ep in eps}
+        value, capacity, floor = self.ledger.value, self._capacity, self.p.pressure_floor
+        pressure = {ep.id: value(ep.id, half_life) / capacity[ep.id] + floor for ep in eps}
         slowest = min(pressure.values())
         session = state.get(SESSION_KEY)
         pinned = state.get(SESSION_PIN) or self._pin_of(session)
@@ -306,9 +308,10 @@ class KvPlacementScorer(
         if hint is not None and hint[0] in held:
             held[hint[0]] = max(held[hint[0]], float(min(prompt, hint[1])))
         costs: dict[EndpointId, float] = {}
+        exponent, load_weight = self.p.pressure_exponent, self.p.load_weight
         for ep in eps:
-            turnover = (pressure[ep.id] / slowest) ** self.p.pressure_exponent
-            cost = (prompt - held[ep.id]) * turnover + self.p.load_weight * self.queue(ep)
+            turnover = (pressure[ep.id] / slowest) ** exponent
+            cost = (prompt - held[ep.id]) * turnover + load_weight * self.queue(ep)
             if ep.id == pinned:
                 cost -= self.p.pin_tokens
             costs[ep.id] = cost
