@@ -62,13 +62,16 @@ class Sent:
 
 
 class QueueView:
-    """The in-flight work per engine at one moment (what ``TokenLoadScorer.work`` returns)."""
+    """The in-flight work per engine at one moment (what ``TokenLoadScorer.works`` returns)."""
 
     def __init__(self) -> None:
         self.queue: dict[str, float] = {}
 
     def work(self, endpoint: str) -> float:
         return self.queue.get(endpoint, 0.0)
+
+    def works(self, endpoints: Sequence[str]) -> dict[str, float]:
+        return {e: self.work(e) for e in endpoints}
 
 
 def read_outcomes(doc: Mapping[str, Any], trace: str, system: str,
@@ -111,7 +114,7 @@ class Shadow:
         self.scorer = KvPlacementScorer(
             "kv-placement-scorer", KvPlacementScorer.Params.model_validate(dict(params)), Lookup())
         self.view = QueueView()
-        self.scorer.load = self.view  # type: ignore[assignment]  # duck-typed work(endpoint)
+        self.scorer.load = self.view  # type: ignore[assignment]  # duck-typed works(endpoints)
 
     def moved_by(self, i: int, req: TraceRequest, session: int, held: Sequence[int],
                  home: int) -> str:

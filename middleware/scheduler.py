@@ -8,7 +8,6 @@ others are retry alternates.
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections.abc import Mapping, Sequence
@@ -47,12 +46,6 @@ class Profile:
     filters: tuple[tuple[str, Filter], ...]
     scorers: tuple[WeightedScorer, ...]
     picker: Picker
-
-
-def _clamp(value: float) -> float:
-    if math.isnan(value):
-        return 0.0
-    return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value
 
 
 class HookClock(Protocol):
@@ -112,9 +105,10 @@ class Scheduler:
             scores = ws.scorer.score(req, state, eps)
             if timer:
                 timer.observe(ws.scorer, "score", t)
-            for ep_id, value in scores.items():
-                if ep_id in totals:
-                    totals[ep_id] += ws.weight * _clamp(value)
+            weight = ws.weight
+            for ep_id, v in scores.items():
+                if ep_id in totals:  # the score clamped into [0, 1], NaN as 0 (inline: per engine)
+                    totals[ep_id] += weight * (0.0 if not v > 0.0 else v if v < 1.0 else 1.0)
         scored = [ScoredEndpoint(ep, totals[ep.id]) for ep in eps]
         if self.keep_scores:
             _keep_scores(state, profile.name, totals)

@@ -31,9 +31,10 @@ class MaxScorePicker(Plugin, Picker):
         self, state: CycleState, scored: Sequence[ScoredEndpoint], rng: random.Random
     ) -> ProfileResult:
         _require(scored)
-        keyed = [(-s.score, rng.random(), s.endpoint) for s in scored]
-        keyed.sort(key=lambda t: (t[0], t[1]))
-        return ProfileResult(tuple(t[2] for t in keyed))
+        # (score, draw, position): ties in both keep the input order, as a stable sort by
+        # (score, draw) would; sorted on tuples alone, with no key call per endpoint
+        keyed = sorted([(-s.score, rng.random(), i) for i, s in enumerate(scored)])
+        return ProfileResult(tuple(scored[t[2]].endpoint for t in keyed))
 
 
 class WeightedRandomPicker(Plugin, Picker):

@@ -94,7 +94,7 @@ from middleware.types import (
     StateKey,
 )
 from plugins.shared_load import CounterShare
-from plugins.state import PREFIX_MATCH, SESSION_KEY, SESSION_PIN, PrefixMatch
+from plugins.state import PREFIX_MATCH, SESSION_KEY, SESSION_PIN
 from plugins.token_load import (
     TokenLoadScorer,
     expected_output_tokens,
@@ -280,45 +280,49 @@ class KvPlacementScorer(
         """Recent insertions into ``ep`` per token of its capacity."""
         return self.ledger.value(ep.id, self._half_life()) / self.capacity(ep)
 
-    def queue(self, ep: Endpoint) -> float:
-        return self.load.work(ep.id) if self.load is not None else float(ep.in_flight_tokens)
-
-    def held(self, match: PrefixMatch | None, endpoint: EndpointId) -> float:
-        if match is None:
-            return 0.0
-        return match.device.get(endpoint, 0) + self.p.other_tier_weight * match.other.get(
-            endpoint, 0
-        )
+    def queue(self, eps: Sequence[Endpoint]) -> dict[EndpointId, float]:
+        """Each candidate's queued work [prefill-token equivalents]: the load scorer's, else
+        the engine's in-flight prompt tokens."""
+        if self.load is not None:
+            return self.load.works([ep.id for ep in eps])
+        return {ep.id: float(ep.in_flight_tokens) for ep in eps}
 
     # -- scoring ------------------------------------------------------------------------------
     def place(self, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]) -> Placement:
-        """The cost of each candidate (module docstring) and the engine holding the most."""
+        """The cost of each candidate (module docstring) and the engine holding the most.
+
+        One pass per candidate, its inputs read into locals first: the scorer runs on every
+        request over every candidate, so per-engine method calls add up with the fleet."""
+        p, capacity = self.p, self._capacity
         for ep in eps:
-            self._capacity[ep.id] = self.capacity(ep)
+            capacity[ep.id] = self.capacity(ep)
         half_life = self._half_life()  # once: it sums the fleet's capacities
         prompt = prompt_tokens(req, state)
         match = state.get(PREFIX_MATCH)
-        held = {ep.id: min(float(prompt), self.held(match, ep.id)) for ep in eps}
-        value, capacity, floor = self.ledger.value, self._capacity, self.p.pressure_floor
-        pressure = {ep.id: value(ep.id, half_life) / capacity[ep.id] + floor for ep in eps}
+        device = match.device if match is not None else {}
+        other = match.other if match is not None else {}
+        value, weight, floor = self.ledger.value, p.other_tier_weight, p.pressure_floor
+        held: dict[EndpointId, float] = {}
+        pressure: dict[EndpointId, float] = {}
+        for ep in eps:
+            e = ep.id
+            held[e] = min(float(prompt), device.get(e, 0) + weight * other.get(e, 0))
+            pressure[e] = value(e, half_life) / capacity[e] + floor
         slowest = min(pressure.values())
         session = state.get(SESSION_KEY)
         pinned = state.get(SESSION_PIN) or self._pin_of(session)
         hint = self._hints.get(session) if session is not None else None
         if hint is not None and hint[0] in held:
             held[hint[0]] = max(held[hint[0]], float(min(prompt, hint[1])))
+        queued = self.queue(eps)
         costs: dict[EndpointId, float] = {}
-        exponent, load_weight = self.p.pressure_exponent, self.p.load_weight
-        for ep in eps:
-            turnover = (pressure[ep.id] / slowest) ** exponent
-            cost = (prompt - held[ep.id]) * turnover + load_weight * self.queue(ep)
-            if ep.id == pinned:
-                cost -= self.p.pin_tokens
-            costs[ep.id] = cost
-        best_held = max(held.values())
+        exponent, load_weight = p.pressure_exponent, p.load_weight
+        for e, h in held.items():
+            cost = (prompt - h) * (pressure[e] / slowest) ** exponent + load_weight * queued[e]
+            costs[e] = cost - p.pin_tokens if e == pinned else cost
         home = None
-        if best_held > min(held.values()):
-            home = max(held, key=lambda e: held[e])
+        if max(held.values()) > min(held.values()):
+            home = max(held, key=held.__getitem__)
         return Placement(costs, home)
 
     def score(

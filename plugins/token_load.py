@@ -381,6 +381,15 @@ class TokenLoadScorer(
         """In-flight prefill-token equivalents on an engine (every replica's)."""
         return self.load(endpoint).work(self.p.decode_token_weight)
 
+    def works(self, endpoints: Sequence[EndpointId]) -> dict[EndpointId, float]:
+        """:meth:`work` of each engine in one call (the placement scorer reads every
+        candidate's on every request); an engine without a replica's share reads its own."""
+        weight, own = self.p.decode_token_weight, self.tracker.load
+        remote = self.shared.remote if self.shared is not None else None
+        if not remote:
+            return {e: own(e).work(weight) for e in endpoints}
+        return {e: self.load(e).work(weight) for e in endpoints}
+
     # Scorer
     def score(
         self, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]

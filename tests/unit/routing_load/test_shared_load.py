@@ -78,6 +78,8 @@ async def test_replicas_see_each_others_load(redis_server: RedisServer) -> None:
         await b.before_dispatch(req(body={"max_tokens": 10}), CycleState(),
                                 RoutingDecision(target=ep("e0")))
         assert b.load("e0").decode_tokens == 1010  # own + the others'
+        ids = ["e0", "e1", "e9"]  # works(): each engine's work(), the others' share included
+        assert b.works(ids) == {e: b.work(e) for e in ids}
         await a.on_complete(req(), state, ep("e0"), Outcome(OutcomeKind.DONE, 200))
         await until(lambda: b.load("e0").decode_tokens == 10)
         await charge(a, "e1", 500)

@@ -370,6 +370,7 @@ async def _hot_prefix_run(with_guard: bool) -> tuple[dict[str, int], float]:
         state = CycleState()
         state.put(PREFIX_MATCH, _match(8192, {"e0": 7680}))
         loads = {e.id: scorer.work(e.id) for e in eps}
+        assert scorer.works([e.id for e in eps]) == loads  # the placement scorer's batch read
         bound = 1.25 * sum(loads.values()) / len(loads) + 4096
         decision = scheduler.schedule(r, state, eps)
         worst = max(worst, loads[decision.target.id] / bound)
