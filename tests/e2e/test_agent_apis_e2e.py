@@ -48,11 +48,9 @@ from engines.local.launcher import (
 )
 from engines.local.model import SERVED_NAME
 from engines.local.paths import kvgate_home
-from pricing.backends import open_backend
 from pricing.records import LedgerRecord
 from tests.e2e.conftest import KVGATE
 from tests.integration.billing_helpers import (
-    ALL,
     Keys,
     expected_cost,
     final_ledger_rows,
@@ -436,21 +434,6 @@ def _kill_mid_stream(url: str, keys: Keys, path: str, body: dict[str, Any],
     return "\n".join(lines)
 
 
-def _job_records(tmp: Path, ids: list[str]) -> dict[str, LedgerRecord]:
-    """Ledger rows of deferred jobs by request id (= job id), waiting for the writer."""
-    deadline = time.monotonic() + 10
-    while True:
-        backend = open_backend(f"sqlite://{tmp}/ledger.sqlite")
-        try:
-            rows = {r.request_id: r for r in backend.query(*ALL) if r.request_id in ids}
-        finally:
-            backend.close()
-        if len(rows) == len(ids) or time.monotonic() > deadline:
-            assert sorted(rows) == sorted(ids)
-            return rows
-        time.sleep(0.1)
-
-
 def test_background_response_and_queued_request_through_the_default_preset(
         gateway: tuple[str, Path, Keys]) -> None:
     """The async queue of the default preset on real vLLM: ``background: true`` with the real
@@ -486,7 +469,8 @@ def test_background_response_and_queued_request_through_the_default_preset(
         time.sleep(0.3)
     assert got["status"] == "succeeded" and got["result"]["status_code"] == 200
     assert got["result"]["body"]["choices"][0]["message"]["content"]
-    records = _job_records(tmp, [created.id, job_id])
+    records = final_ledger_rows(tmp / "ledger.sqlite", [created.id, job_id], by="request_id",
+                                final=False)  # deferred jobs: request id = job id
     assert (records[created.id].service_tier, records[job_id].service_tier) == (
         "background", "queued")
     assert all(r.status == 200 and r.tenant == "globex" for r in records.values())

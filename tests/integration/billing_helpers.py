@@ -113,18 +113,21 @@ async def ledger_rows(app: KvgateApp) -> dict[str, LedgerRecord]:
     return by_id
 
 
-def final_ledger_rows(ledger: Path, ids: list[str], limit_s: float = 10.0,
+def final_ledger_rows(ledger: Path, ids: list[str], limit_s: float = 10.0, *,
+                      by: str = "client_request_id", final: bool = True,
                       ) -> dict[str, LedgerRecord]:
-    """The final rows of the SQLite ``ledger`` by client request id, for ``ids``. Billing
-    writes each request twice under one id: an early record before the answer ends (no
-    ``ttft_s`` yet), replaced by the final one when the dispatch completes, after the client
-    has its answer (and the writer batches): reading between the two races."""
+    """The final rows of the SQLite ``ledger`` by client request id (``by``: another id
+    field, e.g. ``request_id``, a deferred job's id), for ``ids``, waiting for the writer.
+    Billing writes each request twice under one id: an early record before the answer ends
+    (no ``ttft_s`` yet), replaced by the final one when the dispatch completes, after the
+    client has its answer (and the writer batches): reading between the two races. ``final``
+    False: any row counts."""
     deadline = time.monotonic() + limit_s
     while True:
         backend = open_backend(f"sqlite://{ledger}")
         try:
-            rows = {str(r.client_request_id): r for r in backend.query(*ALL)
-                    if r.client_request_id in ids and r.ttft_s is not None}
+            rows = {str(getattr(r, by)): r for r in backend.query(*ALL)
+                    if getattr(r, by) in ids and (r.ttft_s is not None or not final)}
         finally:
             backend.close()
         if len(rows) == len(ids) or time.monotonic() > deadline:
