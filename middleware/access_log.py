@@ -56,8 +56,15 @@ def add_log_field(state: CycleState, name: str, value: object) -> None:
     fields[name] = value
 
 
+def _us(seconds: float) -> float:
+    """``seconds`` to the microsecond: ``round(seconds, 6)`` but for the last digit in rare
+    half-way cases, at half its cost (it rounds an integer, not a decimal string; four per
+    line)."""
+    return round(seconds * 1e6) / 1e6
+
+
 def _round(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds, 6)
+    return None if seconds is None else _us(seconds)
 
 
 class AccessLog:
@@ -130,7 +137,7 @@ class AccessLog:
         first = ctx.first_byte_at
         return {
             **extra,
-            "ts": round(time.time(), 6),
+            "ts": _us(time.time()),
             "request_id": ctx.request_id,
             "client_request_id": ctx.client_request_id,
             "api": ctx.adapter.name,
@@ -142,7 +149,7 @@ class AccessLog:
             "key_id": req.key_id if req is not None else None if who is None else who.key_id,
             "model": None if req is None else req.model[:_MAX_MODEL],
             "engines": ctx.engines,
-            "profiles": list(ctx.profiles),
+            "profiles": ctx.profiles,  # a tuple: orjson writes it as a list
             "stream": None if req is None else req.stream,
             "service_tier": None if req is None else req.service_tier,
             "prompt_tokens": None if usage is None else usage.prompt_tokens,
