@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -280,6 +280,13 @@ class KvPlacementScorer(
         """Recent insertions into ``ep`` per token of its capacity."""
         return self.ledger.value(ep.id, self._half_life()) / self.capacity(ep)
 
+    def _pressures(self, engines: Iterable[EndpointId], half_life: float,
+                   floor: float = 0.0) -> dict[EndpointId, float]:
+        """:meth:`pressure` (plus ``floor``) of each of ``engines`` (in ``_capacity``), under
+        the fleet's ``half_life``: the placement's and the metric's, in one call."""
+        value, capacity = self.ledger.value, self._capacity
+        return {e: value(e, half_life) / capacity[e] + floor for e in engines}
+
     def queue(self, eps: Sequence[Endpoint]) -> dict[EndpointId, float]:
         """Each candidate's queued work [prefill-token equivalents]: the load scorer's, else
         the engine's in-flight prompt tokens."""
@@ -291,8 +298,9 @@ class KvPlacementScorer(
     def place(self, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]) -> Placement:
         """The cost of each candidate (module docstring) and the engine holding the most.
 
-        One pass per candidate, its inputs read into locals first: the scorer runs on every
-        request over every candidate, so per-engine method calls add up with the fleet."""
+        Comprehensions over the candidates with their inputs read into locals first, no method
+        call per candidate: the scorer runs on every request over every candidate, so
+        per-engine calls add up with the fleet."""
         p, capacity = self.p, self._capacity
         for ep in eps:
             capacity[ep.id] = self.capacity(ep)
@@ -301,13 +309,10 @@ class KvPlacementScorer(
         match = state.get(PREFIX_MATCH)
         device = match.device if match is not None else {}
         other = match.other if match is not None else {}
-        value, weight, floor = self.ledger.value, p.other_tier_weight, p.pressure_floor
-        held: dict[EndpointId, float] = {}
-        pressure: dict[EndpointId, float] = {}
-        for ep in eps:
-            e = ep.id
-            held[e] = min(float(prompt), device.get(e, 0) + weight * other.get(e, 0))
-            pressure[e] = value(e, half_life) / capacity[e] + floor
+        weight = p.other_tier_weight
+        held = {ep.id: min(float(prompt), device.get(ep.id, 0) + weight * other.get(ep.id, 0))
+                for ep in eps}
+        pressure = self._pressures(held, half_life, p.pressure_floor)
         slowest = min(pressure.values())
         session = state.get(SESSION_KEY)
         pinned = state.get(SESSION_PIN) or self._pin_of(session)
@@ -482,9 +487,8 @@ class _PlacementCollector(Collector):
         )
         capacity = GaugeMetricFamily("kvgate_placement_capacity_tokens",
                                      "KV capacity used for placement", labels=["engine"])
-        half_life = s._half_life()
-        for engine, cap in sorted(s._capacity.items()):
-            pressure.add_metric([engine], s.ledger.value(engine, half_life) / cap)
-            capacity.add_metric([engine], cap)
+        for engine, value in sorted(s._pressures(s._capacity, s._half_life()).items()):
+            pressure.add_metric([engine], value)
+            capacity.add_metric([engine], s._capacity[engine])
         yield pressure
         yield capacity
