@@ -1,8 +1,14 @@
-"""A minimal pass-through proxy for choosing the gateway's upstream HTTP client by measurement.
+"""A minimal pass-through proxy for choosing the gateway's upstream HTTP client by measurement,
+and for the floor under kvgate's own cost per request.
 
-Server: uvicorn (uvloop + httptools) with a raw ASGI app, identical for both variants. Upstream
-client: ``aiohttp.ClientSession`` or ``httpx.AsyncClient``, each with a pool larger than the load
-(so neither reconnects) and no response decoding. Bodies stream through chunk by chunk.
+Server: uvicorn (uvloop) with a raw ASGI app, identical for every variant. Upstream client:
+``aiohttp.ClientSession``, ``httpx.AsyncClient`` (both on uvicorn's httptools protocol), or
+``h1``: kvgate's own engine client (middleware/h1client.py) on kvgate's own HTTP front end
+(middleware/h1server.py), the I/O layer ``kvgate serve`` runs, with none of the gateway's work
+(no parsing, routing, accounting or logging): what kvgate costs above it is the gateway's own.
+Each client has a pool larger than the load (so none reconnects) and no response decoding.
+Bodies stream through chunk by chunk (``h1``: the answer is read whole, as kvgate reads a JSON
+answer).
 
 Run: ``python -m bench.passthrough --client aiohttp --upstream http://127.0.0.1:8100 --port 8000``.
 """
@@ -16,6 +22,8 @@ from typing import Any, Protocol
 import aiohttp
 import httpx
 import uvicorn
+
+from middleware.h1client import H1Client
 
 Message = dict[str, Any]
 Send = Callable[[Message], Awaitable[None]]
@@ -84,6 +92,30 @@ class HttpxUpstream:
         await self._client.aclose()
 
 
+class H1Upstream:
+    """kvgate's engine client, ``limit_per_host`` :data:`POOL`; the answer read whole."""
+
+    def __init__(self, base: str) -> None:
+        self._base = base
+        self._client = H1Client(POOL)
+        self._timeout = aiohttp.ClientTimeout(total=30.0, connect=5.0)
+
+    async def forward(self, path: str, ctype: bytes, body: bytes, send: Send) -> None:
+        resp = await self._client.request("POST", self._base + path, data=body,
+                                          headers={"content-type": ctype.decode()},
+                                          timeout=self._timeout)
+        raw = await resp.read()
+        await send(_start(resp.status, resp.headers.get("content-type"), str(len(raw))))
+        await send({"type": "http.response.body", "body": raw})
+
+    async def close(self) -> None:
+        await self._client.close()
+
+
+#: The HTTP server each client runs behind: uvicorn's httptools protocol, or kvgate's own.
+SERVERS = {"aiohttp": "httptools", "httpx": "httptools", "h1": "middleware.h1server:H1Protocol"}
+
+
 class PassThrough:
     """Raw ASGI app: ``GET /health`` answers itself, every POST goes upstream unchanged."""
 
@@ -128,7 +160,7 @@ async def _read_body(scope: Message, receive: Receive) -> tuple[bytes, bytes]:
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--client", choices=["aiohttp", "httpx"], required=True)
+    parser.add_argument("--client", choices=sorted(SERVERS), required=True)
     parser.add_argument("--upstream", required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -136,9 +168,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     base = args.upstream.rstrip("/")
     kinds: dict[str, Callable[[], Upstream]] = {
         "aiohttp": lambda: AiohttpUpstream(base), "httpx": lambda: HttpxUpstream(base),
+        "h1": lambda: H1Upstream(base),
     }
     app = PassThrough(kinds[args.client])
-    uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", http="httptools",
+    uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", http=SERVERS[args.client],
                 lifespan="on", access_log=False, log_level="warning")
 
 

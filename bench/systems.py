@@ -34,6 +34,9 @@ VLLM_ROUTER_CA = "vllm-router-cache-aware"
 SGLANG_ROUTER = "sglang-router"
 PASS_AIOHTTP = "passthrough-aiohttp"
 PASS_HTTPX = "passthrough-httpx"
+#: kvgate's own HTTP server and engine client around an app that only forwards the body: the
+#: floor under ``kvgate``'s CPU per request (what kvgate costs above it is the gateway's work).
+PASS_H1 = "passthrough-h1"
 
 MODEL = "bench-model"  # what the fake engine serves and the load asks for
 Argv = Callable[[str, int, int, Path], list[str]]
@@ -130,6 +133,7 @@ def catalogue() -> dict[str, System]:
         System(SGLANG_ROUTER, _sglang_router, tool=venvs.SGLANG_ROUTER),
         System(PASS_AIOHTTP, _passthrough("aiohttp")),
         System(PASS_HTTPX, _passthrough("httpx")),
+        System(PASS_H1, _passthrough("h1")),
     ]
     return {system.name: system for system in systems}
 

@@ -1,0 +1,51 @@
+"""bench/passthrough.py: every variant (aiohttp, httpx, and kvgate's own server and client,
+``passthrough-h1``: the floor under kvgate's CPU per request) forwards a chat body to the fake
+engine and answers with the engine's bytes, JSON and streamed, as real processes."""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bench import procs, systems
+from bench.loadgen import make_body
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = procs.free_port()
+    log = tmp_path_factory.mktemp("engine") / "engine.log"
+    argv = [sys.executable, "-m", "bench.upstream", "--host", "127.0.0.1", "--port", str(port)]
+    with procs.running(argv, "0-1", log) as proc:
+        url = f"http://127.0.0.1:{port}"
+        procs.wait_healthy(url + "/health", proc, 30.0, log)
+        yield url
+
+
+def _post(url: str, body: bytes) -> tuple[int, str, bytes]:
+    request = urllib.request.Request(url, data=body, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as r:
+        return r.status, r.headers.get("content-type", ""), r.read()
+
+
+@pytest.mark.parametrize("name", [systems.PASS_AIOHTTP, systems.PASS_HTTPX, systems.PASS_H1])
+@pytest.mark.parametrize("stream", [False, True])
+def test_forwards_the_engines_answer(tmp_path: Path, engine: str, name: str,
+                                     stream: bool) -> None:
+    body = make_body(1024, stream, systems.MODEL)
+    direct = _post(engine + "/v1/chat/completions", body)
+    system = systems.catalogue()[name]
+    with systems.launched(system, engine, 0, tmp_path / "log", tmp_path) as endpoint:
+        for _ in range(3):  # kept-alive engine connections are reused
+            status, ctype, answer = _post(endpoint.base_url + "/v1/chat/completions", body)
+            assert (status, ctype.split(";")[0]) == (direct[0], direct[1].split(";")[0])
+            assert answer == direct[2]  # the fake engine answers a body alike every time
+            if stream:
+                assert answer.startswith(b"data: ") and answer.rstrip().endswith(b"[DONE]")
+            else:
+                assert json.loads(answer)["usage"]["prompt_tokens"] > 0
