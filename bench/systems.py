@@ -37,6 +37,9 @@ PASS_HTTPX = "passthrough-httpx"
 #: kvgate's own HTTP server and engine client around an app that only forwards the body: the
 #: floor under ``kvgate``'s CPU per request (what kvgate costs above it is the gateway's work).
 PASS_H1 = "passthrough-h1"
+#: The cache-aware default's essential work in one flat function on kvgate's own server,
+#: client and primitives (bench/flat_bound.py): a lower bound for a Python gateway.
+FLAT_BOUND = "flat-bound"
 
 MODEL = "bench-model"  # what the fake engine serves and the load asks for
 Argv = Callable[[str, int, int, Path], list[str]]
@@ -118,6 +121,11 @@ def _passthrough(client: str) -> Argv:
     return argv
 
 
+def _flat_bound(upstream: str, port: int, _aux: int, _root: Path) -> list[str]:
+    return [sys.executable, "-m", "bench.flat_bound", "--upstream", upstream,
+            "--host", "127.0.0.1", "--port", str(port)]
+
+
 def catalogue() -> dict[str, System]:
     """Every known system by name."""
     systems = [
@@ -134,6 +142,7 @@ def catalogue() -> dict[str, System]:
         System(PASS_AIOHTTP, _passthrough("aiohttp")),
         System(PASS_HTTPX, _passthrough("httpx")),
         System(PASS_H1, _passthrough("h1")),
+        System(FLAT_BOUND, _flat_bound, ready_path="/v1/models"),
     ]
     return {system.name: system for system in systems}
 

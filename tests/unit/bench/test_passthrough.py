@@ -1,6 +1,7 @@
 """bench/passthrough.py: every variant (aiohttp, httpx, and kvgate's own server and client,
 ``passthrough-h1``: the floor under kvgate's CPU per request) forwards a chat body to the fake
-engine and answers with the engine's bytes, JSON and streamed, as real processes."""
+engine and answers with the engine's bytes, JSON and streamed, as real processes; and
+bench/flat_bound.py (``flat-bound``) answers and logs like the gateway it bounds."""
 
 from __future__ import annotations
 
@@ -49,3 +50,24 @@ def test_forwards_the_engines_answer(tmp_path: Path, engine: str, name: str,
                 assert answer.startswith(b"data: ") and answer.rstrip().endswith(b"[DONE]")
             else:
                 assert json.loads(answer)["usage"]["prompt_tokens"] > 0
+
+
+def test_flat_bound_forwards_and_logs(tmp_path: Path, engine: str) -> None:
+    """bench/flat_bound.py: the engine's answer unchanged, the engine named, one access-log
+    line per request with the answer's usage."""
+    port, log = procs.free_port(), tmp_path / "access.log"
+    argv = [sys.executable, "-m", "bench.flat_bound", "--upstream", engine,
+            "--port", str(port), "--access-log", str(log)]
+    body = make_body(1024, False, systems.MODEL)
+    direct = _post(engine + "/v1/chat/completions", body)
+    with procs.running(argv, "0-1", tmp_path / "flat.log") as proc:
+        base = f"http://127.0.0.1:{port}"
+        procs.wait_healthy(base + "/v1/models", proc, 30.0, tmp_path / "flat.log",
+                           must_contain=systems.MODEL.encode())
+        answers = [_post(base + "/v1/chat/completions", body) for _ in range(2)]
+    assert [a[2] for a in answers] == [direct[2]] * 2
+    usage = json.loads(direct[2])["usage"]
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(x["status"], x["engines"], x["prompt_tokens"], x["output_tokens"])
+            for x in lines] == [(200, ["engine-0"], usage["prompt_tokens"],
+                                 usage["completion_tokens"])] * 2
