@@ -29,6 +29,13 @@ Variants, all in each trial in a rotated order; the table gives medians:
 ``--engines N`` puts N fake engines behind the gateway (one process each, on the load core):
 what grows with the fleet (snapshots, matches per engine, scores) then shows.
 
+``--hooks``: one more run of the default with every hook call timed
+(``server.hook_timing_every: 1``), and each plugin hook's time per request from the gateway's
+own ``kvgate_plugin_hook_duration_seconds`` (its sums over the timed requests). Timing every
+call costs a few µs per request itself, so this run's CPU figure is not compared with the
+others; the hooks' shares are what it is for (the scheduler's filter, score and pick calls are
+hooks too).
+
 Run: ``.venv/bin/python -m bench.plugin_cost`` (about 3 minutes with the defaults). It writes
 ``bench/results/plugin-cost-<timestamp>.json`` and prints a markdown table.
 """
@@ -54,6 +61,8 @@ from bench.loadgen import make_body
 
 RESULTS_DIR = Path("bench/results")
 DEFAULT = "default"
+#: The hook-time histogram's sum series in ``/metrics`` (labels: hook, plugin).
+HOOK_SUM = "kvgate_plugin_hook_duration_seconds_sum{"
 ROUTING_OFF = "routing off"
 #: The worker's result line on stdout starts with this (logs may precede it).
 RESULT_MARK = "PLUGIN-COST "
@@ -117,6 +126,34 @@ def summarise(samples: Mapping[str, Sequence[float]]) -> dict[str, dict[str, flo
     return {name: {"cpu_us_per_request": value,
                    "minus_default_us": (value - base) if base is not None else float("nan")}
             for name, value in medians.items()}
+
+
+def hook_sums(metrics: str) -> dict[str, float]:
+    """``plugin hook`` -> seconds, from the hook-time histogram's sums in ``metrics`` (the text
+    ``/metrics`` serves)."""
+    out: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if not line.startswith(HOOK_SUM):
+            continue
+        labels, _, value = line[len(HOOK_SUM):].rpartition("} ")
+        pairs = dict(part.split("=", 1) for part in labels.split(","))
+        out[f"{pairs['plugin'].strip(chr(34))} {pairs['hook'].strip(chr(34))}"] = float(value)
+    return out
+
+
+def per_hook_us(before: Mapping[str, float], after: Mapping[str, float],
+                requests: int) -> dict[str, float]:
+    """Each hook's µs per request between two :func:`hook_sums`, largest first."""
+    spent = {k: (v - before.get(k, 0.0)) / requests * 1e6 for k, v in after.items()}
+    return dict(sorted(spent.items(), key=lambda kv: -kv[1]))
+
+
+def hooks_table(hooks: Mapping[str, float], cpu_us: float) -> str:
+    """The ``--hooks`` table: µs per request of each hook, and their total."""
+    rows = [[name, f"{us:.2f}"] for name, us in hooks.items()]
+    rows.append([f"all hooks (of {cpu_us:.1f} µs/request with every call timed)",
+                 f"{sum(hooks.values()):.2f}"])
+    return harness.markdown_table(["plugin hook", "µs/request"], rows)
 
 
 def table(summary: Mapping[str, Mapping[str, float]], skipped: Mapping[str, str]) -> str:
@@ -215,8 +252,9 @@ async def _batch(app: Any, scope: Mapping[str, Any], body: bytes, requests: int,
 
 
 async def _measure(data: dict[str, Any], body: bytes, requests: int, warmup: int,
-                   concurrency: int) -> float:
-    """CPU µs per request of this process over ``requests`` (after ``warmup``)."""
+                   concurrency: int) -> tuple[float, dict[str, float]]:
+    """CPU µs per request of this process over ``requests`` (after ``warmup``), and the
+    hooks' µs per request over them (all zero unless every hook call is timed)."""
     from middleware.app import create_app
     from middleware.cli import tune_gc
     from middleware.config import parse_config
@@ -232,9 +270,11 @@ async def _measure(data: dict[str, Any], body: bytes, requests: int, warmup: int
         else:
             raise RuntimeError("the gateway never answered 200 (engine not discovered?)")
         await _batch(app, scope, body, warmup, concurrency)
+        before = hook_sums(app.metrics.render().decode())
         start = time.process_time()
         await _batch(app, scope, body, requests, concurrency)
-        return (time.process_time() - start) / requests * 1e6
+        us = (time.process_time() - start) / requests * 1e6
+        return us, per_hook_us(before, hook_sums(app.metrics.render().decode()), requests)
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -247,10 +287,13 @@ def run_worker(args: argparse.Namespace) -> int:
     data = json.loads(Path(args.worker).read_text())
     with tempfile.TemporaryDirectory(prefix="kvgate-plugin-cost-") as tmp:
         data.setdefault("server", {})["routing_state_dir"] = tmp
+        if args.hooks:
+            data["server"]["hook_timing_every"] = 1
         configure_logging("WARNING", AccessLogConfig(path=str(Path(tmp) / "access.log")))
         body = make_body(args.body_size, False, MODEL)
-        us = uvloop.run(_measure(data, body, args.requests, args.warmup, args.concurrency))
-    print(RESULT_MARK + json.dumps({"cpu_us_per_request": us}), flush=True)
+        us, hooks = uvloop.run(
+            _measure(data, body, args.requests, args.warmup, args.concurrency))
+    print(RESULT_MARK + json.dumps({"cpu_us_per_request": us, "hooks": hooks}), flush=True)
     return 0
 
 
@@ -261,16 +304,23 @@ def _worker_argv(config_path: Path, args: argparse.Namespace) -> list[str]:
             "--concurrency", str(args.concurrency), "--body-size", str(args.body_size)]
 
 
-def measure_variant(config_path: Path, args: argparse.Namespace) -> float:
-    """Run one worker on the gateway core; its CPU µs per request."""
-    argv = ["taskset", "-c", str(harness.SUT_CPU), *_worker_argv(config_path, args)]
+def _run_worker(config_path: Path, args: argparse.Namespace, hooks: bool) -> dict[str, Any]:
+    """Run one worker on the gateway core; its result (``hooks``: every hook call timed)."""
+    argv = ["taskset", "-c", str(harness.SUT_CPU), *_worker_argv(config_path, args),
+            *(["--hooks"] if hooks else [])]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout_s,
                           check=False)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith(RESULT_MARK)]
     if done.returncode != 0 or not lines:
         tail = "\n".join((done.stdout + done.stderr).splitlines()[-8:])
         raise RuntimeError(f"worker for {config_path.name} failed ({done.returncode}):\n{tail}")
-    return float(json.loads(lines[-1][len(RESULT_MARK):])["cpu_us_per_request"])
+    result: dict[str, Any] = json.loads(lines[-1][len(RESULT_MARK):])
+    return result
+
+
+def measure_variant(config_path: Path, args: argparse.Namespace) -> float:
+    """One worker's CPU µs per request (hooks not timed)."""
+    return float(_run_worker(config_path, args, hooks=False)["cpu_us_per_request"])
 
 
 def run(args: argparse.Namespace, upstreams: Sequence[str], work: Path) -> dict[str, Any]:
@@ -294,10 +344,17 @@ def run(args: argparse.Namespace, upstreams: Sequence[str], work: Path) -> dict[
             print(f"trial {trial + 1}/{args.trials} {name}: "
                   f"{samples[name][-1]:.1f} µs/request", file=sys.stderr, flush=True)
     summary = summarise(samples)
+    text = table(summary, skipped)
+    timed: dict[str, Any] | None = None
+    if args.hooks:
+        path = work / "hooks.json"
+        path.write_text(json.dumps(data))
+        timed = _run_worker(path, args, hooks=True)
+        text += "\n\n" + hooks_table(timed["hooks"], timed["cpu_us_per_request"])
     return {"benchmark": "plugin_cost", "machine": harness.machine_info(),
             "options": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
             "preset": data, "samples": samples, "summary": summary, "skipped": skipped,
-            "table": table(summary, skipped)}
+            "hooks": timed, "table": text}
 
 
 def _upstream(stack: contextlib.ExitStack, log: Path) -> str:
@@ -329,6 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--variants", type=_names, default=(),
                         help="comma-separated variants to run (default: all), e.g. "
                              "'default,routing off'")
+    parser.add_argument("--hooks", action="store_true",
+                        help="also time every hook call of the default (one more run)")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: timestamped)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return parser

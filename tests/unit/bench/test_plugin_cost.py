@@ -98,11 +98,34 @@ def test_default_preset_variants_validate_or_say_why() -> None:
     assert "picker" in str(refused["without max-score-picker"])
 
 
+_METRICS = """\
+# HELP kvgate_plugin_hook_duration_seconds Plugin hook call duration
+kvgate_plugin_hook_duration_seconds_bucket{hook="prepare",le="1e-05",plugin="tokenizer"} 3.0
+kvgate_plugin_hook_duration_seconds_count{hook="prepare",plugin="tokenizer"} 4.0
+kvgate_plugin_hook_duration_seconds_sum{hook="prepare",plugin="tokenizer"} 0.004
+kvgate_plugin_hook_duration_seconds_sum{hook="score",plugin="kv-placement-scorer"} 0.01
+kvgate_requests_total{api="chat",model="m",status="200"} 7.0
+"""
+
+
+def test_hook_sums_and_per_hook_us() -> None:
+    sums = plugin_cost.hook_sums(_METRICS)
+    assert sums == {"tokenizer prepare": 0.004, "kv-placement-scorer score": 0.01}
+    before = {"tokenizer prepare": 0.002}
+    got = plugin_cost.per_hook_us(before, sums, 1000)
+    assert list(got) == ["kv-placement-scorer score", "tokenizer prepare"]  # largest first
+    assert got == pytest.approx({"kv-placement-scorer score": 10.0, "tokenizer prepare": 2.0})
+    text = plugin_cost.hooks_table(got, 150.0)
+    assert "| kv-placement-scorer score | 10.00 |" in text
+    assert "all hooks (of 150.0 µs/request with every call timed) | 12.00 |" in text
+
+
 def test_a_tiny_real_run(tmp_path: Path) -> None:
-    """The whole benchmark, briefly: two fake engines, one worker per variant, the JSON."""
+    """The whole benchmark, briefly: two fake engines, one worker per variant, the JSON, and
+    the default once more with every hook call timed."""
     out = tmp_path / "cost.json"
     assert plugin_cost.main(["--requests", "40", "--warmup", "10", "--concurrency", "4",
-                             "--trials", "1", "--engines", "2", "--out", str(out),
+                             "--trials", "1", "--engines", "2", "--out", str(out), "--hooks",
                              "--variants", "default, routing off,without token-load-scorer,"
                                            "without tokenizer"]) == 0
     doc = json.loads(out.read_text())
@@ -112,3 +135,9 @@ def test_a_tiny_real_run(tmp_path: Path) -> None:
     assert all(row["cpu_us_per_request"] > 0 for row in summary.values())
     assert summary["default"]["minus_default_us"] == 0.0
     assert set(doc["skipped"]) == {"without tokenizer"}
+    hooks = doc["hooks"]["hooks"]  # each of the default's hooks ran on every request
+    for hook in ("tokenizer prepare", "prefix-cache-producer prepare",
+                 "kv-placement-scorer score", "token-load-scorer before_dispatch",
+                 "max-score-picker pick"):
+        assert hooks[hook] > 0, hook
+    assert sum(hooks.values()) < doc["hooks"]["cpu_us_per_request"]
