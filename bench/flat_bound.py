@@ -14,16 +14,20 @@ tracing, the circuit breaker, retries, streaming. It is a measuring stick, not a
 per request is this work and how much the request path around it (contexts, hooks, the
 scheduler, per-request objects).
 
-Run: ``python -m bench.flat_bound --upstream http://127.0.0.1:8100 --port 8000``.
+Run: ``python -m bench.flat_bound --upstream http://127.0.0.1:8100 --port 8000``;
+``python -m bench.flat_bound --routing-only 1024`` times the routing work alone (tokenize, hash,
+match, place, charge, record) in a tight loop on a 1 KiB chat body, with no server.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import io
+import json
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -32,6 +36,7 @@ import orjson
 import uvicorn
 
 from apis.openai import check_common
+from bench.loadgen import make_body
 from middleware.cli import tune_gc
 from middleware.h1client import H1Client
 from plugins import record_hash
@@ -85,17 +90,7 @@ class FlatGateway:
         body = (await receive())["body"]  # one message: the server buffers small bodies
         data = orjson.loads(body)
         model = check_common(data)[0]
-        ids = tokenize(render_chat(data["messages"]))
-        hashes = self.memo.chain(ids, BLOCK, scope=self.scope)
-        held = self.index.match({BLOCK: hashes}, started, 0, [ENGINE]).get(ENGINE, (0, 0))[0]
-        prompt, output = len(ids), data.get("max_tokens") or DEFAULT_OUTPUT
-        costs = {e: (prompt - held) * (1.0 + self.inserted[e] / CAPACITY) + q
-                 for e, q in self.queued.items()}
-        target = min(costs, key=costs.__getitem__)
-        work = prompt - held + output
-        self.queued[target] += work
-        self.inserted[target] += work
-        self.index.record(target, hashes, started + RECORD_TTL_S, block_size=BLOCK)
+        target, work = self.route(data, started)
         self.served += 1
         rid = f"{self.served:032x}"
         assert self.client is not None
@@ -120,6 +115,22 @@ class FlatGateway:
                    "cached_tokens": counts[2][1], "output_tokens": counts[1][1],
                    "total_s": time.monotonic() - started})
 
+    def route(self, data: Mapping[str, Any], now: float) -> tuple[str, int]:
+        """The routing work: tokenize, hash, match, place, charge (released by the caller:
+        ``queued[target] -= work``), record. The target and the work charged [tokens]."""
+        ids = tokenize(render_chat(data["messages"]))
+        hashes = self.memo.chain(ids, BLOCK, scope=self.scope)
+        held = self.index.match({BLOCK: hashes}, now, 0, [ENGINE]).get(ENGINE, (0, 0))[0]
+        prompt, output = len(ids), data.get("max_tokens") or DEFAULT_OUTPUT
+        costs = {e: (prompt - held) * (1.0 + self.inserted[e] / CAPACITY) + q
+                 for e, q in self.queued.items()}
+        target = min(costs, key=costs.__getitem__)
+        work = prompt - held + output
+        self.queued[target] += work
+        self.inserted[target] += work
+        self.index.record(target, hashes, now + RECORD_TTL_S, block_size=BLOCK)
+        return target, work
+
     def _log(self, entry: dict[str, object]) -> None:
         if not self.pending:
             asyncio.get_running_loop().call_soon(self._flush)
@@ -139,15 +150,39 @@ async def _answer(send: Send, status: int, body: bytes,
     await send({"type": "http.response.body", "body": body})
 
 
+def routing_us(body_size: int, rounds: int, trials: int = 5) -> list[float]:
+    """CPU µs of :meth:`FlatGateway.route` (and the release) per request, on one chat body
+    of ``body_size`` bytes repeated, in a tight loop: ``trials`` figures, sorted."""
+    gateway = FlatGateway("http://127.0.0.1:1", io.BytesIO())
+    data = orjson.loads(make_body(body_size, False, "bench-model"))
+    out = []
+    for trial in range(trials + 1):  # the first warms the memo and the index
+        start = time.process_time()
+        for _ in range(rounds):
+            target, work = gateway.route(data, time.monotonic())
+            gateway.queued[target] -= work
+        if trial:
+            out.append((time.process_time() - start) / rounds * 1e6)
+    return sorted(out)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--upstream", required=True)
+    parser.add_argument("--routing-only", type=int, default=0, metavar="BYTES",
+                        help="no server: time the routing work alone on a chat body of BYTES, "
+                             "print the figures and exit")
+    parser.add_argument("--upstream")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--access-log", type=Path, default=None,
                         help="file the lines are appended to (default: a temporary file)")
     args = parser.parse_args(argv)
+    if args.routing_only:
+        print(json.dumps({"routing_us_per_request": routing_us(args.routing_only, 50_000)}))
+        return
+    if not args.upstream:
+        parser.error("--upstream is required")
     with (open(args.access_log, "ab") if args.access_log
           else tempfile.TemporaryFile()) as log:
         tune_gc()  # as kvgate serve
