@@ -254,7 +254,8 @@ async def _batch(app: Any, scope: Mapping[str, Any], body: bytes, requests: int,
 async def _measure(data: dict[str, Any], body: bytes, requests: int, warmup: int,
                    concurrency: int) -> tuple[float, dict[str, float]]:
     """CPU µs per request of this process over ``requests`` (after ``warmup``), and the
-    hooks' µs per request over them (all zero unless every hook call is timed)."""
+    hooks' µs per request over them from the hook-time histogram (whole only when every hook
+    call is timed, as ``--hooks`` runs it; otherwise the sampled calls' share)."""
     from middleware.app import create_app
     from middleware.cli import tune_gc
     from middleware.config import parse_config
