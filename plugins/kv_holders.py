@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = [
@@ -122,6 +123,9 @@ class HolderTable:
         self.default_block_size = default_block_size
         self.stats = IndexStats()
         self._holders: dict[HolderId, Holder] = {}
+        #: The holder keys of each engine (one per data-parallel rank that has held blocks),
+        #: kept with ``_holders``: a request matches its candidates' holders only.
+        self._by_engine: dict[str, list[HolderId]] = {}
         self._caps: dict[HolderId, int] = {}  # per-holder bounds overriding the default
         self._size = 0
 
@@ -131,6 +135,11 @@ class HolderTable:
 
     def holders(self) -> tuple[HolderId, ...]:
         return tuple(self._holders)
+
+    def holders_of(self, engines: Iterable[str]) -> list[HolderId]:
+        """The holders of ``engines`` (every rank of each; none for an engine with none)."""
+        by_engine = self._by_engine
+        return [h for engine in engines for h in by_engine.get(engine, ())]
 
     def blocks_of(self, holder: HolderId) -> int:
         h = self._holders.get(holder)
@@ -154,6 +163,11 @@ class HolderTable:
         holder = self._holders.pop(holder_key, None)
         if holder is None:
             return 0
+        engine = engine_of(holder_key)
+        keys = self._by_engine[engine]
+        keys.remove(holder_key)
+        if not keys:
+            del self._by_engine[engine]
         self._size -= len(holder.blocks)
         self.stats.resets += 1
         return len(holder.blocks)
@@ -182,6 +196,7 @@ class HolderTable:
         holder = self._holders.get(key)
         if holder is None:
             holder = self._holders[key] = Holder()
+            self._by_engine.setdefault(engine_of(key), []).append(key)
         return holder
 
     def _drop(self, holder: Holder, h: int) -> None:

@@ -65,7 +65,6 @@ from middleware.types import (
     StateKey,
     Usage,
 )
-from plugins import record_hash
 from plugins.kv_events import KvEventsSubscriber
 from plugins.kv_health import IndexHealth
 from plugins.kv_index import HashingError, KvIndex, chain_hashes, engine_of, request_extra_keys
@@ -291,7 +290,7 @@ class PrefixCacheProducer(
             scoped = not self.precise
         if scoped:
             tenant = req.tenant if self.p.scope_by_tenant and not by_salt else None
-            scope = record_hash.scope_of(lora, salt, tenant)
+            scope = (lora, salt, tenant)  # strings or None: record_hash.scope_of's tuple
             return {size: self.chains.chain(tokens, size, group_idx=self.p.group_idx,
                                             scope=scope) for size in sizes}
         out: Hashes = {}
@@ -301,7 +300,7 @@ class PrefixCacheProducer(
         return out
 
     def _match(self, index: KvIndex, hashes: Hashes, wanted: set[str]) -> Found:
-        holders = [h for h in index.holders() if engine_of(h) in wanted]
+        holders = index.holders_of(wanted)
         found: Found = {}
         for holder, (dev, oth) in index.match(hashes, self.clock(), self.p.group_idx,
                                                holders).items():

@@ -22,10 +22,12 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
+from functools import partial
 from hashlib import blake2b
 from importlib import import_module
 from importlib.metadata import entry_points
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -280,6 +282,11 @@ class ChatTokenizer:
         marks = sorted(set(self.backend.boundaries), key=len, reverse=True)
         self._pattern = re.compile("|".join(map(re.escape, marks))) if marks else None
         self._gen_suffix = generation_suffix(self.backend) if self.cache is not None else ""
+        #: Whether large prompts go to the thread pool (the backend does not say it is cheaper
+        #: inline), and why its ids are not the engine's (None: they are): read per request.
+        self.offloads = getattr(self.backend, "offload", True) is not False
+        inexact = getattr(self.backend, "inexact", None)
+        self.inexact: str | None = str(inexact) if inexact else None
 
     def tokenize(self, messages: Messages, gen: bool, extra: Mapping[str, Any]) -> Sequence[int]:
         text = self.backend.render_chat(messages, gen, extra)
@@ -406,6 +413,10 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
         #: Built tokenizers by ``id`` of the params' spec objects (held by ``self.p``: stable
         #: ids): a frozen pydantic spec would hash in Python (its fields' tuple) on each lookup.
         self._chat: dict[int, ChatTokenizer] = {}
+        #: The built tokenizer of each model in ``models``, and of every other model (set at
+        #: start: a lookup per request, no pydantic attribute or ``id`` call).
+        self._by_model: dict[str, ChatTokenizer | None] = {}
+        self._default: ChatTokenizer | None = None
         self._pool: ThreadPoolExecutor | None = None
         for spec in (self.p.tokenizer, *self.p.models.values()):
             if spec is not None and spec.kind == "hf":
@@ -422,6 +433,8 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
             if spec not in built:
                 built[spec] = await asyncio.to_thread(self._build, spec)
         self._chat = {id(spec): built[spec] for spec in given}
+        self._by_model = {model: built[spec] for model, spec in self.p.models.items()}
+        self._default = None if self.p.tokenizer is None else built[self.p.tokenizer]
         self._pool = ThreadPoolExecutor(self.p.threads, thread_name_prefix="kvgate-tokenize")
 
     def _build(self, spec: TokenizerSpec) -> ChatTokenizer:
@@ -442,55 +455,37 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
             pool.shutdown(wait=False, cancel_futures=True)
 
     def chat_tokenizer(self, model: str) -> ChatTokenizer | None:
-        spec = self.p.models.get(model, self.p.tokenizer)
-        return None if spec is None else self._chat.get(id(spec))
+        """The built tokenizer of ``model`` (None before start, or for no tokenizer)."""
+        return self._by_model.get(model, self._default)
 
     async def prepare(
         self, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]
     ) -> None:
-        self.stats.requests += 1
-        ids = _token_id_prompt(req)
-        passthrough = ids is not None
-        self.stats.passthrough += passthrough
-        chat = self.chat_tokenizer(req.model)
-        if ids is None and (work := self._work(req, chat)) is not None:
-            try:
-                size = _text_size(req)
-                offload = (self._pool is not None and _offloads(chat)
-                           and size >= self.p.offload_min_chars)
-                ids = await self._offloaded(work) if offload else work()
-            except TokenizationError as exc:
-                self.stats.failures += 1
-                log.debug("request %s: not tokenized: %s", req.request_id, exc)
-                return
-            self.stats.tokenized += 1
-        if ids is None:
-            return
-        state.put(TOKEN_IDS, ids if isinstance(ids, tuple | array) else tuple(ids))
-        req.prompt_token_estimate = len(ids)
-        inexact = getattr(chat.backend, "inexact", None) if chat is not None else None
-        if inexact and not passthrough:  # a client's token ids are the engine's own
-            state.put(TOKEN_IDS_INEXACT, str(inexact))
-
-    def _work(self, req: InferenceRequest,
-              chat: ChatTokenizer | None) -> Callable[[], Sequence[int]] | None:
-        """How to tokenize the request's prompt (any API: the adapter's view of it) with the
-        model's tokenizer ``chat``."""
+        stats = self.stats
+        stats.requests += 1
         prompt = req.prompt
-        if prompt is None or isinstance(prompt, TokenPrompt):
-            return None
+        if isinstance(prompt, TokenPrompt):  # a client's token ids are the engine's own
+            stats.passthrough += 1
+            _put(req, state, prompt.ids, None)
+            return
+        if prompt is None:
+            return
+        chat = self._by_model.get(req.model, self._default)
         if chat is None:
-            self.stats.no_tokenizer += 1
-            return None
-        if isinstance(prompt, TextPrompt):
-            text, special = prompt.text, prompt.add_special_tokens
-            return lambda: chat.backend.encode(text, special)
-        messages = list(prompt.messages)
-        extra = _template_extra(prompt)
-        if prompt.add_special_tokens or prompt.continue_final_message:
-            return lambda: _tokenize_plain(chat.backend, messages, extra, prompt)
-        gen = prompt.add_generation_prompt
-        return lambda: chat.tokenize(messages, gen, extra)
+            stats.no_tokenizer += 1
+            return
+        try:
+            if (chat.offloads and self._pool is not None
+                    and _text_size(req) >= self.p.offload_min_chars):
+                ids = await self._offloaded(partial(_tokenize, chat, prompt))
+            else:
+                ids = _tokenize(chat, prompt)
+        except TokenizationError as exc:
+            stats.failures += 1
+            log.debug("request %s: not tokenized: %s", req.request_id, exc)
+            return
+        stats.tokenized += 1
+        _put(req, state, ids, chat.inexact)
 
     async def _offloaded(self, work: Callable[[], Sequence[int]]) -> Sequence[int]:
         """``work`` on the tokenization pool (a large prompt with a tokenizer that releases the
@@ -500,11 +495,34 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
         return await asyncio.get_running_loop().run_in_executor(self._pool, work)
 
 
-def _offloads(chat: ChatTokenizer | None) -> bool:
-    return chat is not None and getattr(chat.backend, "offload", True) is not False
+def _put(req: InferenceRequest, state: CycleState, ids: Sequence[int],
+         inexact: str | None) -> None:
+    """The ids into the cycle state (and their count into the request's estimate)."""
+    state.put(TOKEN_IDS, ids if isinstance(ids, (tuple, array)) else tuple(ids))
+    req.prompt_token_estimate = len(ids)
+    if inexact is not None:
+        state.put(TOKEN_IDS_INEXACT, inexact)
 
 
-def _template_extra(prompt: ChatPrompt) -> dict[str, Any]:
+def _tokenize(chat: ChatTokenizer, prompt: TextPrompt | ChatPrompt) -> Sequence[int]:
+    """The prompt (any API: the adapter's view of it) tokenized with ``chat``."""
+    if isinstance(prompt, TextPrompt):
+        return chat.backend.encode(prompt.text, prompt.add_special_tokens)
+    messages = list(prompt.messages)
+    extra = _template_extra(prompt)
+    if prompt.add_special_tokens or prompt.continue_final_message:
+        return _tokenize_plain(chat.backend, messages, extra, prompt)
+    return chat.tokenize(messages, prompt.add_generation_prompt, extra)
+
+
+#: The template extras of a prompt with no tools and no template arguments (most): shared,
+#: read-only.
+_NO_EXTRA: Mapping[str, Any] = MappingProxyType({})
+
+
+def _template_extra(prompt: ChatPrompt) -> Mapping[str, Any]:
+    if prompt.tools is None and not prompt.template_kwargs:
+        return _NO_EXTRA
     extra: dict[str, Any] = {} if prompt.tools is None else {"tools": prompt.tools}
     extra.update(prompt.template_kwargs)
     return extra
@@ -521,12 +539,6 @@ def _tokenize_plain(
         cut = text.rfind(last) if last else -1
         text = text[: cut + len(last)] if last and cut >= 0 else text
     return backend.encode(text, prompt.add_special_tokens)
-
-
-def _token_id_prompt(req: InferenceRequest) -> Sequence[int] | None:
-    """The client's own token ids (exact without a tokenizer)."""
-    prompt = req.prompt
-    return prompt.ids if isinstance(prompt, TokenPrompt) else None
 
 
 def _text_size(req: InferenceRequest) -> int:

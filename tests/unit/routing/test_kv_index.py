@@ -187,10 +187,15 @@ def test_reset_one_holder_and_engine() -> None:
     toks = blocks(8, 2, BS)
     for holder in ("e0", "e0#dp1", "e1"):
         _store_chain(index, holder, toks)
+    assert sorted(index.holders_of(["e0", "e1", "e9"])) == ["e0", "e0#dp1", "e1"]
+    assert index.holders_of(["e0"]) == ["e0", "e0#dp1"]  # every rank of the engine
     index.reset("e1")
     assert set(_match(index, toks)) == {"e0", "e0#dp1"}
+    assert index.holders_of(["e0", "e1"]) == ["e0", "e0#dp1"]
     assert index.reset_engine("e0") == 4
-    assert len(index) == 0 and index.holders() == ()
+    assert len(index) == 0 and index.holders() == () and index.holders_of(["e0", "e1"]) == []
+    _store_chain(index, "e1", toks)  # a holder that comes back is found again
+    assert index.holders_of(["e1"]) == ["e1"]
 
 
 def test_records_expire_and_events_supersede_them() -> None:
@@ -246,11 +251,14 @@ def test_random_workload_stays_bounded_and_consistent(seed: int) -> None:
 
     rng = random.Random(seed)
     index = _index(capacity=50)
-    live: dict[str, list[int]] = {"e0": [], "e1": [], "e2": []}
+    live: dict[str, list[int]] = {"e0": [], "e0#dp1": [], "e1": [], "e2": []}
     next_hash = 1
     for _ in range(400):
         holder = rng.choice(list(live))
-        if live[holder] and rng.random() < 0.3:
+        if rng.random() < 0.05:
+            index.reset_engine(engine_of(holder))
+            live.update({h: [] for h in live if engine_of(h) == engine_of(holder)})
+        elif live[holder] and rng.random() < 0.3:
             index.remove(holder, [live[holder].pop(rng.randrange(len(live[holder])))])
         else:
             n = rng.randint(1, 4)
@@ -260,6 +268,7 @@ def test_random_workload_stays_bounded_and_consistent(seed: int) -> None:
             live[holder].extend(hashes)
         assert len(index) <= 50
         assert len(index) == sum(index.blocks_of(h) for h in index.holders())
+        assert sorted(index.holders_of(["e0", "e1", "e2"])) == sorted(index.holders())
 
 
 def test_match_tokens_hashes_like_a_request() -> None:
