@@ -27,7 +27,6 @@ from hashlib import blake2b
 from importlib import import_module
 from importlib.metadata import entry_points
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -410,11 +409,9 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
         assert isinstance(params, Tokenizer.Params)
         self.p = params
         self.stats = TokenizationStats()
-        #: Built tokenizers by ``id`` of the params' spec objects (held by ``self.p``: stable
-        #: ids): a frozen pydantic spec would hash in Python (its fields' tuple) on each lookup.
-        self._chat: dict[int, ChatTokenizer] = {}
         #: The built tokenizer of each model in ``models``, and of every other model (set at
-        #: start: a lookup per request, no pydantic attribute or ``id`` call).
+        #: start: one dict lookup per request; a frozen pydantic spec as the key would hash in
+        #: Python, its fields' tuple, on each lookup).
         self._by_model: dict[str, ChatTokenizer | None] = {}
         self._default: ChatTokenizer | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -432,7 +429,6 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
         for spec in given:
             if spec not in built:
                 built[spec] = await asyncio.to_thread(self._build, spec)
-        self._chat = {id(spec): built[spec] for spec in given}
         self._by_model = {model: built[spec] for model, spec in self.p.models.items()}
         self._default = None if self.p.tokenizer is None else built[self.p.tokenizer]
         self._pool = ThreadPoolExecutor(self.p.threads, thread_name_prefix="kvgate-tokenize")
@@ -515,9 +511,10 @@ def _tokenize(chat: ChatTokenizer, prompt: TextPrompt | ChatPrompt) -> Sequence[
     return chat.tokenize(messages, prompt.add_generation_prompt, extra)
 
 
-#: The template extras of a prompt with no tools and no template arguments (most): shared,
-#: read-only.
-_NO_EXTRA: Mapping[str, Any] = MappingProxyType({})
+#: The template extras of a prompt with no tools and no template arguments (most): one shared
+#: empty dict, read-only by its type (backends copy extras, never change them; a plain dict, so
+#: the prefix cache's context key is the same ``{}`` as for any other empty extras).
+_NO_EXTRA: Mapping[str, Any] = {}
 
 
 def _template_extra(prompt: ChatPrompt) -> Mapping[str, Any]:
