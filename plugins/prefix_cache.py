@@ -73,6 +73,9 @@ from plugins.shared_record import RecordShare, start_record_share
 from plugins.shared_tier import SHARED_HOLDER, fold_shared
 from plugins.state import CACHE_SALT, PREFIX_MATCH, TOKEN_IDS, TOKEN_IDS_INEXACT, PrefixMatch
 
+#: No engine routed on KV events (the record-only match's ``precise_engines``).
+_NO_ENGINES: frozenset[EndpointId] = frozenset()
+
 log = logging.getLogger("kvgate.prefix_cache")
 
 
@@ -197,6 +200,7 @@ class PrefixCacheProducer(
             params.capacity_blocks, params.engine_capacity_blocks, params.block_size,
             prefix_closed=True)
         self._owns_health = source is None
+        self._record_sizes = frozenset({params.block_size})
         #: Recent prompts' record chains: a session's next turn hashes only its new tail.
         self.chains = ChainMemo(params.chain_memo_bytes)
         #: The other replicas' record insertions (with ``redis_url``, once started).
@@ -324,6 +328,9 @@ class PrefixCacheProducer(
         tokens = state.get(TOKEN_IDS)
         if tokens is None:
             return
+        if self.events is None:
+            self._prepare_on_record(req, state, eps, tokens)
+            return
         self._learn_capacities(eps)
         exact_ids = state.get(TOKEN_IDS_INEXACT) is None
         wanted = {ep.id for ep in eps}
@@ -341,7 +348,7 @@ class PrefixCacheProducer(
             if self.record is not None:
                 # keyed by the injected salt when there is one (it is the tenant's or its
                 # sharing group's scope, as on the engines), else by tenant
-                hashes = self.prompt_hashes(req, tokens, frozenset({self.p.block_size}),
+                hashes = self.prompt_hashes(req, tokens, self._record_sizes,
                                             scoped=True, by_salt=CACHE_SALT in state)
                 state.put(_RECORD_HASHES, hashes)
                 approx = self._match(self.record, hashes, wanted)
@@ -353,6 +360,29 @@ class PrefixCacheProducer(
         # the fleet's shared tier (KV events with locality REMOTE) is reachable from every engine
         state.put(PREFIX_MATCH, fold_shared(
             self._combine(len(tokens), eps, precise, approx, exact_ids), shared, wanted))
+
+    def _prepare_on_record(self, req: InferenceRequest, state: CycleState,
+                           eps: Sequence[Endpoint], tokens: Sequence[int]) -> None:
+        """:meth:`prepare` with no KV-event index (mode approximate, or auto without a
+        kv-events plugin): every engine is routed on the record, none precisely, with no shared
+        tier; the same match, without the events path's work per request."""
+        record = self.record
+        assert record is not None  # only mode precise has none, and it requires events
+        self._learn_capacities(eps)
+        try:
+            hashes = self.prompt_hashes(req, tokens, self._record_sizes, scoped=True,
+                                        by_salt=CACHE_SALT in state)
+        except HashingError:
+            return
+        state.put(_RECORD_HASHES, hashes)
+        found = self._match(record, hashes, {ep.id for ep in eps})
+        device: dict[EndpointId, int] = {}
+        other: dict[EndpointId, int] = {}
+        for ep in eps:  # in the candidates' order, as the general path's
+            held = found.get(ep.id)
+            if held is not None:
+                device[ep.id], other[ep.id] = held
+        state.put(PREFIX_MATCH, PrefixMatch(len(tokens), device, other, False, _NO_ENGINES))
 
     def _combine(self, n: int, eps: Sequence[Endpoint], precise: Found, approx: Found,
                  exact_ids: bool) -> PrefixMatch:

@@ -173,6 +173,25 @@ async def test_approximate_records_routing_with_ttl() -> None:
     assert not match.device
 
 
+@pytest.mark.parametrize("mode", ["approximate", "auto"])  # auto with no kv-events plugin
+async def test_record_only_match_is_the_whole_match(mode: str) -> None:
+    """Without a KV-event index every candidate is matched on the record alone: device tokens
+    for the engines that hold the prefix (in the candidates' order), nothing on other tiers,
+    nothing precise; engines that are not candidates are left out."""
+    producer = PrefixCacheProducer("pc", PrefixCacheProducer.Params(mode=mode, block_size=BS),
+                                   NoLookup(), clock=Clock())
+    toks = blocks(70, 3, BS)
+    for target in ("e2", "e0"):
+        state, _ = await _prepare(producer, toks)
+        await _dispatch(producer, state, target)
+    _, match = await _prepare(producer, [*toks[: 2 * BS], *blocks(71, 1, BS)])
+    assert match == PrefixMatch(3 * BS, {"e0": 2 * BS, "e2": 2 * BS},
+                                {"e0": 0, "e2": 0}, False, frozenset())
+    assert list(match.device) == ["e0", "e2"]
+    _, match = await _prepare(producer, toks, eps=[EPS[1], EPS[2]])
+    assert (dict(match.device), dict(match.other)) == ({"e2": 3 * BS}, {"e2": 0})
+
+
 async def test_approximate_per_engine_lru_mirrors_engine_capacity() -> None:
     clock = Clock()
     producer = _approx(clock, block_size=BS, engine_capacity_blocks=4)
