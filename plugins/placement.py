@@ -260,6 +260,9 @@ class KvPlacementScorer(
         #: what the session sent it (at most ``max_sessions``: a subset of the pins).
         self._hints: dict[str, tuple[EndpointId, int]] = {}
         self._capacity: dict[EndpointId, int] = {}
+        #: The fleet's half-life [tokens] from ``_capacity``; None once a capacity changed
+        #: (read twice per request: a sum over the fleet only when the fleet changed).
+        self._half_life_tokens: float | None = None
 
     # -- inputs -------------------------------------------------------------------------------
     def capacity(self, ep: Endpoint) -> int:
@@ -273,8 +276,11 @@ class KvPlacementScorer(
         return self.p.default_capacity_tokens
 
     def _half_life(self) -> float:
-        fleet = sum(self._capacity.values()) or self.p.default_capacity_tokens
-        return self.p.half_life_caches * fleet
+        half_life = self._half_life_tokens
+        if half_life is None:
+            fleet = sum(self._capacity.values()) or self.p.default_capacity_tokens
+            half_life = self._half_life_tokens = self.p.half_life_caches * fleet
+        return half_life
 
     def pressure(self, ep: Endpoint) -> float:
         """Recent insertions into ``ep`` per token of its capacity."""
@@ -303,8 +309,11 @@ class KvPlacementScorer(
         per-engine calls add up with the fleet."""
         p, capacity = self.p, self._capacity
         for ep in eps:
-            capacity[ep.id] = self.capacity(ep)
-        half_life = self._half_life()  # once: it sums the fleet's capacities
+            tokens = self.capacity(ep)
+            if capacity.get(ep.id) != tokens:
+                capacity[ep.id] = tokens
+                self._half_life_tokens = None
+        half_life = self._half_life()
         prompt = prompt_tokens(req, state)
         match = state.get(PREFIX_MATCH)
         device = match.device if match is not None else {}
@@ -440,6 +449,7 @@ class KvPlacementScorer(
             self.ledger.forget(ep.id)
             self._capacity.pop(ep.id, None)
             self._inserted.pop(ep.id, None)
+        self._half_life_tokens = None
         gone = {ep.id for ep in removed}
         for session in [s for s, (e, _) in self._pins.items() if e in gone]:
             del self._pins[session]

@@ -117,6 +117,28 @@ def test_capacity_configured_then_reported_then_default() -> None:
     assert (s.capacity(ep("e0")), s.capacity(reported), s.capacity(ep("e2"))) == (123, 4096, CAP)
 
 
+def test_half_life_follows_the_fleets_capacity() -> None:
+    """The half-life (``half_life_caches`` fleet capacities) is kept between requests and
+    follows every change: an engine reporting a new capacity, one joining, one leaving."""
+    def sized(name: str, tokens: float) -> Endpoint:
+        return dataclasses.replace(ep(name), metrics=EngineMetrics(
+            extra={"kv_capacity_tokens": tokens}))
+
+    s = scorer(half_life_caches=2.0)
+    steps: list[tuple[list[Endpoint], list[Endpoint], float]] = [
+        ([sized("e0", 1000)], [], 2 * 1000),
+        ([sized("e0", 1000)], [], 2 * 1000),  # unchanged: the kept value
+        ([sized("e0", 4000)], [], 2 * 4000),  # the engine reports a larger cache
+        ([sized("e0", 4000), sized("e1", 1000)], [], 2 * 5000),  # a second engine
+        ([sized("e1", 1000)], [ep("e0")], 2 * 1000),  # the first leaves the pool
+    ]
+    for eps, removed, expected in steps:
+        if removed:
+            s.on_endpoints_changed([], removed)
+        s.score(req(), state_for(100), eps)
+        assert s._half_life() == expected
+
+
 def test_larger_caches_take_proportionally_more_cold_work() -> None:
     big = dataclasses.replace(
         ep("big"), metrics=EngineMetrics(extra={"kv_capacity_tokens": 30_000.0}))
