@@ -100,12 +100,13 @@ class EngineLoad:
         return self.prefill_tokens + decode_token_weight * self.decode_tokens
 
     def plus(self, charge: Charge, sign: int) -> EngineLoad:
-        """This load with ``charge`` added (sign 1) or removed (sign -1), never below 0."""
-        return EngineLoad(
-            max(0, self.prefill_tokens + sign * charge.prefill_tokens),
-            max(0, self.decode_tokens + sign * charge.decode_tokens),
-            max(0, self.requests + sign),
-        )
+        """This load with ``charge`` added (sign 1) or removed (sign -1), never below 0.
+        (Comparisons, not ``max``: twice per request, three builtin calls each.)"""
+        prefill = self.prefill_tokens + sign * charge.prefill_tokens
+        decode = self.decode_tokens + sign * charge.decode_tokens
+        requests = self.requests + sign
+        return EngineLoad(prefill if prefill > 0 else 0, decode if decode > 0 else 0,
+                          requests if requests > 0 else 0)
 
 
 IDLE = EngineLoad()

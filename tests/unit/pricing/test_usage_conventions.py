@@ -190,3 +190,17 @@ def test_the_adapters_use_these_normalisers() -> None:
     assert vars(apis.anthropic)["from_anthropic"] is usage_conventions.from_anthropic
     assert vars(apis.responses)["from_openai_responses"] is (
         usage_conventions.from_openai_responses)
+
+
+class _Count(int):
+    """An int subclass that is not a bool (as an ``IntEnum`` member is): still a count."""
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    (0, 0), (7, 7), (-1, None), (True, None), (False, None), (1.0, None), (None, None),
+    ("3", None), (_Count(5), 5), (_Count(-5), None), ([1], None),
+])
+def test_a_count_is_a_non_negative_int_not_a_bool(value: object, expected: int | None) -> None:
+    from pricing.usage_conventions import count
+
+    assert count(value) == expected
