@@ -287,21 +287,29 @@ class PrefixCacheProducer(
         index's hash (the engines' block layout, :mod:`plugins.kv_hashing`). ``by_salt``: the
         body's ``cache_salt`` is the gateway's injected isolation scope: the record is keyed by
         it alone, not by tenant (tenants of a sharing group share records, as engines do)."""
-        lora = req.model if req.model in self.p.lora_adapters else None
-        salt = req.body.get("cache_salt")
-        salt = salt if isinstance(salt, str) and salt else None
         if scoped is None:
             scoped = not self.precise
         if scoped:
-            tenant = req.tenant if self.p.scope_by_tenant and not by_salt else None
-            scope = (lora, salt, tenant)  # strings or None: record_hash.scope_of's tuple
+            scope = self._record_scope(req, by_salt)
             return {size: self.chains.chain(tokens, size, group_idx=self.p.group_idx,
                                             scope=scope) for size in sizes}
+        lora = req.model if req.model in self.p.lora_adapters else None
+        salt = req.body.get("cache_salt")
+        salt = salt if isinstance(salt, str) and salt else None
         out: Hashes = {}
         for size in sizes:
             extra = request_extra_keys(len(tokens) // size, lora, salt)
             out[size] = chain_hashes(tokens, size, group_idx=self.p.group_idx, extra_keys=extra)
         return out
+
+    def _record_scope(self, req: InferenceRequest, by_salt: bool) -> tuple[str | None, ...]:
+        """The record's scope of ``req``: LoRA adapter, cache salt, tenant (strings or None:
+        :func:`plugins.record_hash.scope_of`'s tuple); see :meth:`prompt_hashes`."""
+        lora = req.model if req.model in self.p.lora_adapters else None
+        salt = req.body.get("cache_salt")
+        salt = salt if isinstance(salt, str) and salt else None
+        tenant = req.tenant if self.p.scope_by_tenant and not by_salt else None
+        return (lora, salt, tenant)
 
     def _match(self, index: KvIndex, hashes: Hashes, wanted: set[str]) -> Found:
         holders = index.holders_of(wanted)
@@ -366,22 +374,22 @@ class PrefixCacheProducer(
         """:meth:`prepare` with no KV-event index (mode approximate, or auto without a
         kv-events plugin): every engine is routed on the record, none precisely, with no shared
         tier; the same match, without the events path's work per request."""
-        record = self.record
+        record, size, group = self.record, self.p.block_size, self.p.group_idx
         assert record is not None  # only mode precise has none, and it requires events
         self._learn_capacities(eps)
+        scope = self._record_scope(req, CACHE_SALT in state)
         try:
-            hashes = self.prompt_hashes(req, tokens, self._record_sizes, scoped=True,
-                                        by_salt=CACHE_SALT in state)
+            hashes = {size: self.chains.chain(tokens, size, group_idx=group, scope=scope)}
         except HashingError:
             return
         state.put(_RECORD_HASHES, hashes)
-        found = self._match(record, hashes, {ep.id for ep in eps})
+        # the record's holders are the engines themselves (it records engine ids, no ranks):
+        # matched in the candidates' order, as the general path's
+        found = record.match(hashes, self.clock(), group, [ep.id for ep in eps])
         device: dict[EndpointId, int] = {}
         other: dict[EndpointId, int] = {}
-        for ep in eps:  # in the candidates' order, as the general path's
-            held = found.get(ep.id)
-            if held is not None:
-                device[ep.id], other[ep.id] = held
+        for engine, held in found.items():
+            device[engine], other[engine] = held
         state.put(PREFIX_MATCH, PrefixMatch(len(tokens), device, other, False, _NO_ENGINES))
 
     def _combine(self, n: int, eps: Sequence[Endpoint], precise: Found, approx: Found,
