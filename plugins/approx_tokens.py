@@ -74,7 +74,8 @@ def render_message(message: Mapping[str, Any]) -> str:
 def render_chat(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
     """The canonical rendering of a chat (the generation prompt adds nothing: a growing
     conversation's next turn starts with this turn's rendering)."""
-    if not isinstance(messages, Sequence) or isinstance(messages, str | bytes):
+    if type(messages) is not list and (  # a parsed body's list: no ABC check per request
+            not isinstance(messages, Sequence) or isinstance(messages, str | bytes)):
         raise TypeError("messages must be a list")
     return "".join(
         render_message(m) if type(m) is dict or isinstance(m, Mapping) else _canonical(m) + _END
