@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.util import find_spec
 from typing import Any, ClassVar, Literal
@@ -163,6 +163,15 @@ class LoadTracker:
     def loads(self) -> dict[EndpointId, EngineLoad]:
         """Every engine's non-idle load (a copy)."""
         return dict(self._loads)
+
+    def works(self, endpoints: Iterable[EndpointId],
+              decode_token_weight: float) -> dict[EndpointId, float]:
+        """Each engine's :meth:`EngineLoad.work` (0 when idle), with no call per engine: the
+        placement scorer reads every candidate's on every request."""
+        get = self._loads.get
+        return {e: 0.0 if (load := get(e)) is None
+                else load.prefill_tokens + decode_token_weight * load.decode_tokens
+                for e in endpoints}
 
     def charge(self, request_id: str, charges: Sequence[Charge], now: float) -> int:
         """Add a dispatch's charges; returns its ticket for :meth:`release`."""
@@ -385,10 +394,10 @@ class TokenLoadScorer(
     def works(self, endpoints: Sequence[EndpointId]) -> dict[EndpointId, float]:
         """:meth:`work` of each engine in one call (the placement scorer reads every
         candidate's on every request); an engine without a replica's share reads its own."""
-        weight, own = self.p.decode_token_weight, self.tracker.load
+        weight = self.p.decode_token_weight
         remote = self.shared.remote if self.shared is not None else None
         if not remote:
-            return {e: own(e).work(weight) for e in endpoints}
+            return self.tracker.works(endpoints, weight)
         return {e: self.load(e).work(weight) for e in endpoints}
 
     # Scorer
