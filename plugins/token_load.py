@@ -167,7 +167,9 @@ class LoadTracker:
     def works(self, endpoints: Iterable[EndpointId],
               decode_token_weight: float) -> dict[EndpointId, float]:
         """Each engine's :meth:`EngineLoad.work` (0 when idle), with no call per engine: the
-        placement scorer reads every candidate's on every request."""
+        placement scorer reads every candidate's on every request. The formula is
+        ``EngineLoad.work``'s, inlined (calling it gave back half the gain at 8 engines); the
+        tests compare the two on every request of a load run."""
         get = self._loads.get
         return {e: 0.0 if (load := get(e)) is None
                 else load.prefill_tokens + decode_token_weight * load.decode_tokens
