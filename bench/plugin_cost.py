@@ -358,7 +358,7 @@ def run(args: argparse.Namespace, upstreams: Sequence[str], work: Path) -> dict[
             "hooks": timed, "table": text}
 
 
-def _upstream(stack: contextlib.ExitStack, log: Path) -> str:
+def start_upstream(stack: contextlib.ExitStack, log: Path) -> str:
     """One fake engine on the load core, stopped with ``stack``; its base URL."""
     port = procs.free_port()
     url = f"http://127.0.0.1:{port}"
@@ -406,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvgate-plugin-cost-") as tmp, \
             contextlib.ExitStack() as stack:
         work = Path(tmp)
-        upstreams = [_upstream(stack, work / f"upstream-{i}.log") for i in range(args.engines)]
+        upstreams = [start_upstream(stack, work / f"upstream-{i}.log") for i in range(args.engines)]
         doc = run(args, upstreams, work)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
