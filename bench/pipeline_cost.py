@@ -18,7 +18,7 @@ the total is timed separately with no stage timer, as ``time.process_time`` over
 requests. Medians of ``--trials``. The figures are precise to a few tenths of a µs from one run
 to the next, so a change's effect on the pipeline shows in one A/B run of two trees.
 
-Run: ``.venv/bin/python -m bench.pipeline_cost`` (about 20 s); writes
+Run: ``.venv/bin/python -m bench.pipeline_cost`` (about 10 s); writes
 ``bench/results/pipeline-cost-<timestamp>.json`` and prints a markdown table.
 """
 
