@@ -94,7 +94,7 @@ from middleware.types import (
     StateKey,
 )
 from plugins.shared_load import CounterShare
-from plugins.state import PREFIX_MATCH, SESSION_KEY, SESSION_PIN
+from plugins.state import PREFIX_MATCH, SESSION_KEY, SESSION_PIN, PrefixMatch
 from plugins.token_load import (
     TokenLoadScorer,
     expected_output_tokens,
@@ -121,6 +121,20 @@ class InsertionLedger:
             return 0.0
         amount, at = entry
         return amount * math.exp2(-(self.total - at) / half_life)
+
+    def pressures(self, engines: Iterable[EndpointId], capacity: Mapping[EndpointId, int],
+                  half_life: float, floor: float = 0.0) -> dict[EndpointId, float]:
+        """``value(e, half_life) / capacity[e] + floor`` for each of ``engines``, in one loop
+        with no call per engine (the placement reads every candidate on every request: at 32
+        engines, a method call each was ~0.1 µs per engine). The same arithmetic as
+        :meth:`value`, so the same figures to the last bit."""
+        entries, total, exp2 = self._entries, self.total, math.exp2
+        out: dict[EndpointId, float] = {}
+        for e in engines:
+            entry = entries.get(e)
+            value = 0.0 if entry is None else entry[0] * exp2(-(total - entry[1]) / half_life)
+            out[e] = value / capacity[e] + floor
+        return out
 
     def add(self, engine: EndpointId, tokens: float, half_life: float) -> None:
         if tokens <= 0:
@@ -290,8 +304,21 @@ class KvPlacementScorer(
                    floor: float = 0.0) -> dict[EndpointId, float]:
         """:meth:`pressure` (plus ``floor``) of each of ``engines`` (in ``_capacity``), under
         the fleet's ``half_life``: the placement's and the metric's, in one call."""
-        value, capacity = self.ledger.value, self._capacity
-        return {e: value(e, half_life) / capacity[e] + floor for e in engines}
+        return self.ledger.pressures(engines, self._capacity, half_life, floor)
+
+    def _refresh_capacities(self, eps: Sequence[Endpoint]) -> None:
+        """Each candidate's :meth:`capacity` into ``_capacity`` (the half-life recomputed when
+        one changed), inlined: no method call per engine."""
+        configured, default = self.p.capacity_tokens, self.p.default_capacity_tokens
+        capacity = self._capacity
+        for ep in eps:
+            tokens = configured.get(ep.id)
+            if tokens is None:
+                reported = ep.metrics.extra.get(KV_CAPACITY_TOKENS)
+                tokens = int(reported) if reported is not None and reported >= 1 else default
+            if capacity.get(ep.id) != tokens:
+                capacity[ep.id] = tokens
+                self._half_life_tokens = None
 
     def queue(self, eps: Sequence[Endpoint]) -> dict[EndpointId, float]:
         """Each candidate's queued work [prefill-token equivalents]: the load scorer's, else
@@ -307,20 +334,12 @@ class KvPlacementScorer(
         Comprehensions over the candidates with their inputs read into locals first, no method
         call per candidate: the scorer runs on every request over every candidate, so
         per-engine calls add up with the fleet."""
-        p, capacity = self.p, self._capacity
-        for ep in eps:
-            tokens = self.capacity(ep)
-            if capacity.get(ep.id) != tokens:
-                capacity[ep.id] = tokens
-                self._half_life_tokens = None
+        p = self.p
+        self._refresh_capacities(eps)
         half_life = self._half_life()
         prompt = prompt_tokens(req, state)
         match = state.get(PREFIX_MATCH)
-        device = match.device if match is not None else {}
-        other = match.other if match is not None else {}
-        weight = p.other_tier_weight
-        held = {ep.id: min(float(prompt), device.get(ep.id, 0) + weight * other.get(ep.id, 0))
-                for ep in eps}
+        held = _held(eps, float(prompt), match, p.other_tier_weight)
         pressure = self._pressures(held, half_life, p.pressure_floor)
         slowest = min(pressure.values())
         session = state.get(SESSION_KEY)
@@ -332,7 +351,10 @@ class KvPlacementScorer(
         costs: dict[EndpointId, float] = {}
         exponent, load_weight = p.pressure_exponent, p.load_weight
         for e, h in held.items():
-            cost = (prompt - h) * (pressure[e] / slowest) ** exponent + load_weight * queued[e]
+            turnover = pressure[e] / slowest
+            if exponent != 1.0:  # the default 1.0: x ** 1.0 is x, one pow per engine saved
+                turnover **= exponent
+            cost = (prompt - h) * turnover + load_weight * queued[e]
             costs[e] = cost - p.pin_tokens if e == pinned else cost
         home = None
         if max(held.values()) > min(held.values()):
@@ -457,6 +479,21 @@ class KvPlacementScorer(
 
     def collector(self) -> Collector:
         return _PlacementCollector(self)
+
+
+def _held(eps: Sequence[Endpoint], prompt: float, match: PrefixMatch | None,
+          weight: float) -> dict[EndpointId, float]:
+    """Tokens of the prompt each candidate holds, its slower tiers counted at ``weight``,
+    at most the prompt: one loop with its inputs in locals, no call per engine."""
+    if match is None:
+        return dict.fromkeys([ep.id for ep in eps], 0.0)
+    device, other = match.device.get, match.other.get
+    held: dict[EndpointId, float] = {}
+    for ep in eps:
+        e = ep.id
+        h = device(e, 0) + weight * other(e, 0)
+        held[e] = h if h < prompt else prompt
+    return held
 
 
 class _PlacementCollector(Collector):

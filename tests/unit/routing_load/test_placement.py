@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from typing import Any
 
 import pytest
@@ -115,6 +116,49 @@ def test_capacity_configured_then_reported_then_default() -> None:
     reported = dataclasses.replace(
         ep("e1"), metrics=EngineMetrics(extra={"kv_capacity_tokens": 4096.0}))
     assert (s.capacity(ep("e0")), s.capacity(reported), s.capacity(ep("e2"))) == (123, 4096, CAP)
+
+
+@pytest.mark.parametrize(("name", "extra", "configured", "expected"), [
+    ("e0", {}, {"e0": 123}, 123),  # configured wins over everything
+    ("e0", {"kv_capacity_tokens": 4096.0}, {"e0": 123}, 123),
+    ("e1", {"kv_capacity_tokens": 4096.0}, {}, 4096),  # reported
+    ("e1", {"kv_capacity_tokens": 4096.7}, {}, 4096),  # reported, truncated as capacity()
+    ("e1", {"kv_capacity_tokens": 0.5}, {}, CAP),  # below one token: not a capacity
+    ("e2", {}, {}, CAP),  # the default
+])
+def test_the_placement_reads_each_capacity_as_capacity_does(
+        name: str, extra: dict[str, float], configured: dict[str, int], expected: int) -> None:
+    """place() reads the candidates' capacities inline (no call per engine): the same figure
+    as capacity(), which the metric uses."""
+    s = scorer(capacity_tokens=configured)
+    engine = dataclasses.replace(ep(name), metrics=EngineMetrics(extra=extra))
+    s.place(req(), state_for(10), [engine, ep("other")])
+    assert s._capacity[name] == s.capacity(engine) == expected
+
+
+def test_ledger_pressures_are_value_over_capacity_to_the_last_bit() -> None:
+    rng = random.Random(7)
+    ledger = InsertionLedger()
+    engines = [f"e{i}" for i in range(12)]
+    for _ in range(200):
+        ledger.add(rng.choice(engines[:10]), rng.uniform(1, 5000), 30_000.0)  # e10, e11: none
+    capacity = {e: rng.randint(1000, 100_000) for e in engines}
+    for half_life, floor in ((30_000.0, 0.0), (1234.5, 0.05)):
+        got = ledger.pressures(engines, capacity, half_life, floor)
+        assert list(got) == engines
+        for e in engines:
+            assert got[e] == ledger.value(e, half_life) / capacity[e] + floor, e
+
+
+def test_pressure_exponent_scales_the_turnover() -> None:
+    """J = miss x turnover ** exponent: with 2.0 the 3x turnover of the costs test costs 9x."""
+    s = scorer(half_life_caches=1e9, pressure_exponent=2.0)
+    eps = [ep("e0"), ep("e1")]
+    s.score(req(), state_for(1), eps)
+    s.ledger.add("e0", 1000, 1e12)
+    costs = s.place(req(), state_for(3000, {"e0": 2500, "e1": 500}), eps).costs
+    assert costs["e0"] == pytest.approx(500 * 9)
+    assert costs["e1"] == pytest.approx(2500 * 1)
 
 
 def test_half_life_follows_the_fleets_capacity() -> None:
