@@ -99,7 +99,7 @@ class Scheduler:
                 )
         if not eps:
             raise NoEndpointAvailable(f"no engine can serve model {req.model!r} now")
-        totals = dict.fromkeys((ep.id for ep in eps), 0.0)
+        totals = dict.fromkeys([ep.id for ep in eps], 0.0)  # a list: no generator frame
         for ws in profile.scorers:
             t = time.perf_counter() if timer else 0.0
             scores = ws.scorer.score(req, state, eps)

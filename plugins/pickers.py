@@ -34,7 +34,7 @@ class MaxScorePicker(Plugin, Picker):
         # (score, draw, position): ties in both keep the input order, as a stable sort by
         # (score, draw) would; sorted on tuples alone, with no key call per endpoint
         keyed = sorted([(-s.score, rng.random(), i) for i, s in enumerate(scored)])
-        return ProfileResult(tuple(scored[t[2]].endpoint for t in keyed))
+        return ProfileResult(tuple([scored[t[2]].endpoint for t in keyed]))
 
 
 class WeightedRandomPicker(Plugin, Picker):
