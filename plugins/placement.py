@@ -274,6 +274,9 @@ class KvPlacementScorer(
         #: what the session sent it (at most ``max_sessions``: a subset of the pins).
         self._hints: dict[str, tuple[EndpointId, int]] = {}
         self._capacity: dict[EndpointId, int] = {}
+        #: The metrics object each engine's capacity was last read from (one per engine,
+        #: dropped when it leaves the pool).
+        self._metrics_read: dict[EndpointId, object] = {}
         #: The fleet's half-life [tokens] from ``_capacity``; None once a capacity changed
         #: (read twice per request: a sum over the fleet only when the fleet changed).
         self._half_life_tokens: float | None = None
@@ -308,10 +311,15 @@ class KvPlacementScorer(
 
     def _refresh_capacities(self, eps: Sequence[Endpoint]) -> None:
         """Each candidate's :meth:`capacity` into ``_capacity`` (the half-life recomputed when
-        one changed), inlined: no method call per engine."""
+        one changed), inlined: no method call per engine. An engine whose metrics are the
+        object read last time is skipped (the pool replaces them when it scrapes; the
+        configured capacities never change): one lookup per engine per request."""
         configured, default = self.p.capacity_tokens, self.p.default_capacity_tokens
-        capacity = self._capacity
+        capacity, seen = self._capacity, self._metrics_read
         for ep in eps:
+            if seen.get(ep.id) is ep.metrics:  # read already: the same reported capacity
+                continue
+            seen[ep.id] = ep.metrics
             tokens = configured.get(ep.id)
             if tokens is None:
                 reported = ep.metrics.extra.get(KV_CAPACITY_TOKENS)
@@ -470,6 +478,7 @@ class KvPlacementScorer(
         for ep in removed:
             self.ledger.forget(ep.id)
             self._capacity.pop(ep.id, None)
+            self._metrics_read.pop(ep.id, None)
             self._inserted.pop(ep.id, None)
         self._half_life_tokens = None
         gone = {ep.id for ep in removed}

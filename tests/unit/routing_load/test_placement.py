@@ -163,18 +163,25 @@ def test_pressure_exponent_scales_the_turnover() -> None:
 
 def test_half_life_follows_the_fleets_capacity() -> None:
     """The half-life (``half_life_caches`` fleet capacities) is kept between requests and
-    follows every change: an engine reporting a new capacity, one joining, one leaving."""
+    follows every change: an engine reporting a new capacity, one joining, one leaving, one
+    rejoining with the metrics it had."""
     def sized(name: str, tokens: float) -> Endpoint:
         return dataclasses.replace(ep(name), metrics=EngineMetrics(
             extra={"kv_capacity_tokens": tokens}))
 
     s = scorer(half_life_caches=2.0)
+    # the same metrics object before and after leaving: its capacity is read again on rejoining
+    # (the scorer skips engines whose metrics object it has read, until they leave)
+    same_metrics = sized("e0", 2000)
     steps: list[tuple[list[Endpoint], list[Endpoint], float]] = [
         ([sized("e0", 1000)], [], 2 * 1000),
         ([sized("e0", 1000)], [], 2 * 1000),  # unchanged: the kept value
         ([sized("e0", 4000)], [], 2 * 4000),  # the engine reports a larger cache
         ([sized("e0", 4000), sized("e1", 1000)], [], 2 * 5000),  # a second engine
         ([sized("e1", 1000)], [ep("e0")], 2 * 1000),  # the first leaves the pool
+        ([same_metrics, sized("e1", 1000)], [], 2 * 3000),  # and rejoins, metrics unchanged
+        ([sized("e1", 1000)], [ep("e0")], 2 * 1000),  # leaves again
+        ([same_metrics, sized("e1", 1000)], [], 2 * 3000),  # back with the same object
     ]
     for eps, removed, expected in steps:
         if removed:
