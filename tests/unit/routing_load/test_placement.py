@@ -12,7 +12,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from middleware.types import CycleState, Endpoint, EngineMetrics, RoutingDecision
-from plugins.placement import PLACEMENT, InsertionLedger, KvPlacementScorer
+from plugins.insertion_ledger import InsertionLedger
+from plugins.placement import PLACEMENT, KvPlacementScorer
 from plugins.state import PREFIX_MATCH, SESSION_KEY, TOKEN_IDS, PrefixMatch
 from tests.unit.routing_load.helpers import Lookup, ep, load_scorer, req
 
