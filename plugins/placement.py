@@ -254,19 +254,15 @@ class KvPlacementScorer(
 
     def _refresh_capacities(self, eps: Sequence[Endpoint]) -> None:
         """Each candidate's :meth:`capacity` into ``_capacity`` (the half-life recomputed when
-        one changed), inlined: no method call per engine. An engine whose metrics are the
-        object read last time is skipped (the pool replaces them when it scrapes; the
-        configured capacities never change): one lookup per engine per request."""
-        configured, default = self.p.capacity_tokens, self.p.default_capacity_tokens
+        one changed). An engine whose metrics are the object read last time is skipped (the
+        pool replaces them when it scrapes; the configured capacities never change): one
+        lookup per engine per request, :meth:`capacity` only after a scrape."""
         capacity, seen = self._capacity, self._metrics_read
         for ep in eps:
             if seen.get(ep.id) is ep.metrics:  # read already: the same reported capacity
                 continue
             seen[ep.id] = ep.metrics
-            tokens = configured.get(ep.id)
-            if tokens is None:
-                reported = ep.metrics.extra.get(KV_CAPACITY_TOKENS)
-                tokens = int(reported) if reported is not None and reported >= 1 else default
+            tokens = self.capacity(ep)
             if capacity.get(ep.id) != tokens:
                 capacity[ep.id] = tokens
                 self._half_life_tokens = None

@@ -129,8 +129,8 @@ def test_capacity_configured_then_reported_then_default() -> None:
 ])
 def test_the_placement_reads_each_capacity_as_capacity_does(
         name: str, extra: dict[str, float], configured: dict[str, int], expected: int) -> None:
-    """place() reads the candidates' capacities inline (no call per engine): the same figure
-    as capacity(), which the metric uses."""
+    """place() keeps each candidate's capacity between scrapes: the same figure as
+    capacity(), which the metric uses."""
     s = scorer(capacity_tokens=configured)
     engine = dataclasses.replace(ep(name), metrics=EngineMetrics(extra=extra))
     s.place(req(), state_for(10), [engine, ep("other")])
