@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
 import statistics
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -37,9 +34,8 @@ from typing import Any
 
 from bench import harness
 from bench.loadgen import make_body
-from bench.plugin_cost import preset_data, start_upstream
+from bench.plugin_cost import preset_data, with_engines
 
-RESULTS_DIR = Path("bench/results")
 #: One request's pass through the pipeline; ``tick(stage, since)`` adds the time since
 #: ``since`` to ``stage`` and returns now (a no-op returning 0.0 when the total is timed).
 Tick = Callable[[str, float], float]
@@ -177,17 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if min(args.requests, args.trials, args.body_size, args.engines) < 1 or args.warmup < 0:
         raise SystemExit("--requests, --trials, --body-size and --engines must be >= 1")
-    out = args.out or RESULTS_DIR / f"pipeline-cost-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    with tempfile.TemporaryDirectory(prefix="kvgate-pipeline-cost-") as tmp, \
-            contextlib.ExitStack() as stack:
-        upstreams = [start_upstream(stack, Path(tmp) / f"upstream-{i}.log")
-                     for i in range(args.engines)]
-        doc = asyncio.run(_run(upstreams, args))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    print(doc["table"])
-    print(f"wrote {out}")
-    return 0
+    return with_engines("pipeline-cost", args.engines, args.out,
+                        lambda upstreams, _work: asyncio.run(_run(upstreams, args)))
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -402,12 +402,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             or args.warmup < 0:
         raise SystemExit("--requests, --concurrency, --trials, --body-size and --engines "
                          "must be >= 1")
-    out = args.out or RESULTS_DIR / f"plugin-cost-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    with tempfile.TemporaryDirectory(prefix="kvgate-plugin-cost-") as tmp, \
+    return with_engines("plugin-cost", args.engines, args.out,
+                        lambda upstreams, work: run(args, upstreams, work))
+
+
+def with_engines(name: str, engines: int, out: Path | None,
+                 measure: Callable[[list[str], Path], dict[str, Any]]) -> int:
+    """``measure`` (given the fake engines' URLs and a scratch folder) with ``engines`` fake
+    engines running; its document written to ``out`` (default: timestamped under
+    ``bench/results/<name>-...``) and its ``table`` printed."""
+    out = out or RESULTS_DIR / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    with tempfile.TemporaryDirectory(prefix=f"kvgate-{name}-") as tmp, \
             contextlib.ExitStack() as stack:
         work = Path(tmp)
-        upstreams = [start_upstream(stack, work / f"upstream-{i}.log") for i in range(args.engines)]
-        doc = run(args, upstreams, work)
+        upstreams = [start_upstream(stack, work / f"upstream-{i}.log") for i in range(engines)]
+        doc = measure(upstreams, work)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     print(doc["table"])
