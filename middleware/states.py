@@ -2,10 +2,13 @@
 
 Filled from the usage taps' ``state_ids`` after a dispatch that succeeded; read for requests
 that declare ``requires_state`` (``previous_response_id``) and for by-id routes
-(``GET /v1/responses/{id}``). Bounded: at most ``capacity`` ids (least recently used or written
-evicted first). An evicted id is routed like any request (the engine then decides; for a
-Responses conversation on another engine that is a 404 from the engine) and a by-id request for
-it is a 404. Per process: a gateway restart forgets every id.
+(``GET /v1/responses/{id}``). Each id is its tenant's: another tenant's id is a 404 before
+anything reaches an engine (the engine's store serves any id to anyone), and with API keys on
+so is an id this map does not know (its owner cannot be vouched for). Bounded: at most
+``capacity`` ids (least recently used or written evicted first). Without API keys an evicted
+id is routed like any request (the engine then decides; for a Responses conversation on
+another engine that is a 404 from the engine) and a by-id request for it is a 404. Per
+process: a gateway restart forgets every id.
 """
 
 from __future__ import annotations
@@ -49,6 +52,10 @@ class StateMap:
         while len(self._ids) > self.capacity:
             self._ids.popitem(last=False)
             self.evictions += 1
+
+    def known(self, state_id: str) -> bool:
+        """Whether some tenant holds ``state_id`` (no refresh, no count)."""
+        return state_id in self._ids
 
     def holder(self, state_id: str, tenant: str | None) -> Holder | None:
         """The id's holder (refreshing it), or None if unknown or another tenant's."""
