@@ -57,7 +57,7 @@ from middleware.pool import EndpointPool
 from middleware.redact import public_view
 from middleware.registry import Registry
 from middleware.routing_state import RoutingStateFile
-from middleware.states import StateMap, StateMapCollector
+from middleware.states import StateMapCollector, state_map
 from middleware.tracing import Tracing
 
 log = logging.getLogger("kvgate.app")
@@ -110,7 +110,7 @@ class KvgateApp:
         self.apis = ApiRoutes(adapters, _CORE_PATHS | plugin_paths)
         self.mounts = check_mounts(config.source, self.pipeline.mounts,
                                    _CORE_PATHS | plugin_paths | self.apis.paths())
-        states = StateMap()
+        states = state_map(config)  # shared through Redis with shared_state
         self.metrics.registry.register(StateMapCollector(states))
         self.tracing = Tracing.from_config(config.tracing)
         self.gateway = Gateway(config, self.pipeline, self.pool, self.metrics, states,
@@ -153,6 +153,7 @@ class KvgateApp:
         for plugin in reversed(self.pipeline.lifecycles):
             await _bounded(plugin.stop(), f"plugin {getattr(plugin, 'name', plugin)!r}")
         await _bounded(self.pool.stop(), "the engine pool")
+        await _bounded(self.gateway.states.close(), "the shared state-id store")
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -263,6 +264,9 @@ class KvgateApp:
             body["plugins"] = sections
         if self.routing_state is not None:
             body["routing_state"] = self.routing_state.health()
+        shared_ids = self.gateway.states.health()
+        if shared_ids is not None:  # Redis down: ids not held here are refused
+            body["state_ids"] = shared_ids
         await send_json(send, status, body if self._is_admin(headers) else public_view(body))
 
     def _is_admin(self, headers: dict[str, str]) -> bool:

@@ -171,6 +171,9 @@ class SharedStateConfig(BaseModel):
 
     model_config = _STRICT
     redis_url: str = Field(pattern=r"^rediss?://")
+    #: How long each Responses id the gateway hands out stays resolvable on every replica
+    #: (its owner and engine in Redis; middleware/shared_states.py) [s]. Default one day.
+    state_ids_ttl_s: float = Field(86_400.0, gt=0, le=30 * 86_400)
 
 
 class TracingConfig(BaseModel):
@@ -320,7 +323,7 @@ def with_shared_state(config: GatewayConfig, redis_url: str | None) -> GatewayCo
     if redis_url is None:
         return config
     data = config.model_dump(exclude={"source"})
-    data["shared_state"] = {"redis_url": redis_url}
+    data["shared_state"] = {**(data.get("shared_state") or {}), "redis_url": redis_url}
     return parse_config(data, config.source)
 
 

@@ -160,14 +160,14 @@ class Dispatcher:
         if ttft is not None:
             self.metrics.ttft.observe((ctx.adapter.name, "true" if req.stream else "false"),
                                       ttft)
+        if kind is OutcomeKind.DONE and attempt.tap is not None:  # first: the next turn may
+            # already be on its way to another replica, which looks the id up in Redis
+            await self.states.record(attempt.tap.state_ids, attempt.target.id, req.tenant)
         errors: list[Exception] = []
         try:
             await self.report_usage(ctx, attempt)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the completion hooks
             errors.append(exc)
-        if kind is OutcomeKind.DONE and attempt.tap is not None:
-            for state_id in attempt.tap.state_ids:
-                self.states.remember(state_id, attempt.target.id, req.tenant)
         outcome = Outcome(
             kind=kind, status=attempt.status, usage=attempt.usage, ttft_s=ttft,
             total_s=now - req.received_at, error=error, will_retry=will_retry,
@@ -210,6 +210,8 @@ class Dispatcher:
             await producer.prepare(req, ctx.state, eps)
             if t:
                 timer.observe(producer, "prepare", t)
+        if ctx.parsed is not None and ctx.parsed.requires_state is not None:  # Redis, if shared
+            await self.states.fetch(ctx.parsed.requires_state, req.tenant)
         pinned = self._pinned(ctx, eps)
         excluded: set[str] = set()
         attempts = 1 + self.config.server.retries

@@ -256,7 +256,9 @@ class Gateway:
                            *((k.encode(), v.encode()) for k, v in answer.headers.items())]
                 await send_bytes(ctx.send, answer.status, answer.body, headers)
                 return answer.status
-        holder = self.states.holder(state_id, None if principal is None else principal.tenant)
+        tenant = None if principal is None else principal.tenant
+        await self.states.fetch(state_id, tenant)
+        holder = self.states.holder(state_id, tenant)
         if holder is None:
             self.states.count("miss")
             raise NotFound(f"no {ctx.adapter.name} object with id {state_id!r}", param="id")
