@@ -19,6 +19,13 @@ from typing import Any
 
 import aiohttp
 
+from middleware.admin_port import (
+    PROMETHEUS_CT,
+    AdminListener,
+    auth_required,
+    check_metrics_access,
+    is_admin,
+)
 from middleware.asgi import (
     ClientGone,
     Receive,
@@ -65,7 +72,6 @@ log = logging.getLogger("kvgate.app")
 _MODELS_PREFIX = "/v1/models/"
 #: Paths the app serves itself (no API adapter or plugin may take them).
 _CORE_PATHS = frozenset({"/v1/models", "/health", "/metrics"})
-_PROMETHEUS_CT = (b"content-type", b"text/plain; version=0.0.4; charset=utf-8")
 
 
 #: The longest one plugin's ``stop`` may take at shutdown [s]. A stop flushes a spool, a queue
@@ -126,6 +132,10 @@ class KvgateApp:
         self.loopback = Loopback(self, self.pipeline.authenticator, self.pool.snapshot)
         for user in self.pipeline.loopback_users:
             user.bind_loopback(self.loopback)
+        server = config.server
+        #: ``server.admin_port``: /metrics and the full /health without a key (None: none).
+        self.admin: AdminListener | None = None if server.admin_port is None else \
+            AdminListener(self, server.host, server.admin_port, server.log_level)
 
     # -- lifespan ------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -144,10 +154,14 @@ class KvgateApp:
             await plugin.start()
         if self.routing_state is not None:
             self.routing_state.start()
+        if self.admin is not None:
+            await self.admin.start()
         log.info("kvgate ready: %d engines, models %s", len(self.config.engines),
                  sorted(self.pool.models()))
 
     async def shutdown(self) -> None:
+        if self.admin is not None:
+            await _bounded(self.admin.stop(), "the admin port")
         if self.routing_state is not None:
             await _bounded(self.routing_state.stop(), "the routing state's last save")
         for plugin in reversed(self.pipeline.lifecycles):
@@ -215,7 +229,8 @@ class KvgateApp:
                 await self._health(send, header_map(scope))
             elif path == "/metrics":
                 _require(method, "GET")
-                await send_bytes(send, 200, self.metrics.render(), [_PROMETHEUS_CT])
+                check_metrics_access(self.pipeline.authenticator, header_map(scope))
+                await send_bytes(send, 200, self.metrics_page(), [PROMETHEUS_CT])
             elif path == "/v1/models" or path.startswith(_MODELS_PREFIX):
                 _require(method, "GET")
                 await send_json(send, 200, self._models(path, header_map(scope)))
@@ -245,16 +260,19 @@ class KvgateApp:
                *((k.encode(), v.encode()) for k, v in resp.headers.items())]
         await send_bytes(send, resp.status, resp.body, out)
 
-    async def _health(self, send: Send, headers: dict[str, str]) -> None:
-        """Engines and plugin sections; without an admin key, no engine URL, socket address or
-        host name (middleware/redact.py): the endpoint is unauthenticated. 200 (ready) once a
-        probe has confirmed an engine that is in rotation; 503 before (``starting``) and while
-        none is."""
+    def metrics_page(self) -> bytes:
+        """The Prometheus exposition of every series (tenants' included): for an admin key or
+        the admin port (middleware/admin_port.py)."""
+        return self.metrics.render()
+
+    def health_report(self) -> tuple[int, dict[str, object]]:
+        """``/health``'s status and full body: engines, plugin sections, routing state. 200
+        (ready) once a probe has confirmed an engine that is in rotation; 503 before
+        (``starting``) and while none is."""
         engines = self.pool.status()
         healthy = sum(1 for e in engines if e["healthy"])
         ready = self.pool.ready()
         starting = not any(e["confirmed"] for e in engines)
-        status = 200 if ready else 503
         body: dict[str, object] = {
             "status": "ok" if ready else "starting" if starting else "unavailable",
             "engines_healthy": healthy, "engines_total": len(engines), "engines": engines,
@@ -267,19 +285,21 @@ class KvgateApp:
         shared_ids = self.gateway.states.health()
         if shared_ids is not None:  # Redis down: ids not held here are refused
             body["state_ids"] = shared_ids
-        await send_json(send, status, body if self._is_admin(headers) else public_view(body))
+        return 200 if ready else 503, body
 
-    def _is_admin(self, headers: dict[str, str]) -> bool:
-        """The request carries a valid admin key (an authenticator's principal with ``admin``
-        true; auth switched off counts). Never raises: a bad key just gets the public view."""
+    async def _health(self, send: Send, headers: dict[str, str]) -> None:
+        """``/health`` on the API port: the full report for an admin key. Otherwise, with API
+        keys on, only ``{"status"}`` (no engines, tenants, index states or plugin sections:
+        docs/security.md); with auth off, the report without engine URLs, socket addresses or
+        host names (middleware/redact.py)."""
+        status, body = self.health_report()
         auth = self.pipeline.authenticator
-        if auth is None or not ({"authorization", "x-api-key"} & headers.keys()):
-            return False
-        try:
-            principal = authenticate(auth, headers)
-        except HTTPError:
-            return False
-        return getattr(principal, "admin", False) is True
+        if is_admin(auth, headers):
+            await send_json(send, status, body)
+        elif auth_required(auth):
+            await send_json(send, status, {"status": body["status"]})
+        else:
+            await send_json(send, status, public_view(body))
 
     def _plugin_health(self) -> dict[str, object]:
         """``HealthSource`` plugins' sections by plugin name (empty ones left out)."""

@@ -16,6 +16,7 @@ from middleware.config import (
     PD_CONNECTORS,
     AccessLogConfig,
     GatewayConfig,
+    ServerConfig,
     TracingConfig,
     load_config,
     with_billing,
@@ -102,13 +103,12 @@ def serve_config(config: GatewayConfig, workers: int = 1, http: str = "kvgate") 
 def quick_start(args: argparse.Namespace) -> QuickStart:
     """The fleet the quick-start flags describe (the tokenizer found from the model when KV
     events are given without ``--tokenizer``: precise routing needs the engines' token ids)."""
-    server = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     qs = QuickStart(
         engines=tuple(args.engine or ()), prefill=tuple(args.prefill or ()),
         decode=tuple(args.decode or ()), pd_protocol=args.pd_protocol,
         kv_events=tuple(args.kv_events or ()), kv_events_bind=args.kv_events_bind,
         kv_events_replay=tuple(args.kv_events_replay or ()),
-        tokenizer=args.tokenizer, server=server,
+        tokenizer=args.tokenizer, server=server_flags(args),
     )
     if qs.has_events and qs.tokenizer is None:
         urls = qs.engines or qs.decode or qs.prefill
@@ -122,6 +122,12 @@ def quick_start(args: argparse.Namespace) -> QuickStart:
             log.info("tokenizer found from the model: %s", found)
         qs = dataclasses.replace(qs, tokenizer=found)
     return qs
+
+
+def server_flags(args: argparse.Namespace) -> dict[str, object]:
+    """The ``server`` settings given as flags (``--host``, ``--port``, ``--admin-port``)."""
+    given = (("host", args.host), ("port", args.port), ("admin_port", args.admin_port))
+    return {k: v for k, v in given if v is not None}
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -142,9 +148,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         config = quick_start_config(quick_start(args))
     else:
         config = load_config(args.config)
-        server = config.server.model_copy(
-            update={k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-        )
+        try:
+            server = ServerConfig.model_validate({**config.server.model_dump(),
+                                                  **server_flags(args)})
+        except ValidationError as exc:
+            raise ConfigError(f"--host/--port/--admin-port: {exc.errors()[0]['msg']}") from None
         config = config.model_copy(update={"server": server})
     config = with_billing(config, prices=args.prices, ledger=args.ledger, keys=args.keys)
     config = with_quotas(with_shared_state(config, args.redis))
@@ -192,6 +200,10 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    "ids; with KV events and no --tokenizer, it is looked for from the model")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8080)")
+    p.add_argument("--admin-port", type=int, metavar="PORT",
+                   help="a second port on the same host serving /metrics and the full /health "
+                   "without a key, for Prometheus and probes (default: none; with --keys those "
+                   "need an admin key on the API port)")
     p.add_argument("--prices", metavar="FILE",
                    help="price book (kvgate YAML or LiteLLM JSON): turns billing on")
     p.add_argument("--ledger", metavar="URL",

@@ -12,7 +12,14 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from middleware.errors import ConfigError
 from middleware.types import Role
@@ -36,6 +43,11 @@ class ServerConfig(BaseModel):
     model_config = _STRICT
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
+    #: A second listener on ``host`` that serves ``/metrics`` and the full ``/health`` without
+    #: a key (middleware/admin_port.py), for a Prometheus scraper and probes on a network the
+    #: clients do not reach. None (the default): no second listener, nothing more is exposed
+    #: than before; with API keys on, those views then need an admin key on ``port``.
+    admin_port: int | None = Field(None, ge=0, le=65535)
     #: Largest accepted request body. 8 MiB fits a 128k-token prompt as text (~4 bytes/token)
     #: with JSON overhead, yet bounds what one request can make the gateway hold.
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
@@ -68,6 +80,12 @@ class ServerConfig(BaseModel):
     #: Seconds between routing-state snapshots (also written at shutdown): a killed gateway
     #: loses at most this much. 30 s: a snapshot of 65k pins takes a few ms on the loop.
     routing_state_save_s: float = Field(30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _two_ports(self) -> ServerConfig:
+        if self.admin_port is not None and self.admin_port == self.port != 0:
+            raise ValueError(f"admin_port {self.admin_port} is the API port: give another one")
+        return self
 
 
 class PoolConfig(BaseModel):

@@ -32,7 +32,6 @@ from middleware.disagg import TwoHop, UsageRewriter
 from middleware.errors import (
     HTTPError,
     NoEndpointAvailable,
-    NotFound,
     UpstreamError,
     UpstreamHTTPError,
     model_not_found,
@@ -244,18 +243,9 @@ class Dispatcher:
         state_id = ctx.parsed.requires_state if ctx.parsed is not None else None
         if state_id is None:
             return None
-        tenant = ctx.request.tenant
-        holder = self.states.holder(state_id, tenant)
+        # another tenant's id (or, keys on, one of no known owner): 404, nothing dispatched
+        holder = self.states.owned(state_id, ctx.request.tenant, "previous_response_id")
         if holder is None:
-            known = self.states.known(state_id)
-            if not known:
-                self.states.count("miss")
-            if tenant is not None or known:
-                # Another tenant's id, or one whose owner this gateway cannot vouch for (a
-                # restart, an evicted id): the engine's store would serve it to anyone, so
-                # nothing reaches an engine (docs/security.md, "Ids a client sends").
-                raise NotFound(f"previous_response_id: no response with id {state_id!r}",
-                               param="previous_response_id")
             return None
         for ep in eps:
             if ep.id == holder.engine and ep.healthy:

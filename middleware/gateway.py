@@ -230,6 +230,10 @@ class Gateway:
             await hook.on_request(req, ctx.state)
             if t:
                 timer.observe(hook, "on_request", t)
+        state_id = ctx.parsed.requires_state
+        if state_id is not None and self.pipeline.deferrals:  # refused before it is queued
+            await self.states.fetch(state_id, req.tenant)
+            self.states.owned(state_id, req.tenant, "previous_response_id")
         for deferral in self.pipeline.deferrals:
             deferred = await deferral.defer(req, ctx.adapter.name, ctx.path)
             if deferred is not None:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from middleware.errors import ServiceUnavailable
+from middleware.errors import NotFound, ServiceUnavailable
 from middleware.shared_states import SharedStates, StateStoreDown
 
 if TYPE_CHECKING:
@@ -127,6 +127,21 @@ class StateMap:
             return None
         self._ids.move_to_end(state_id)
         return found
+
+    def owned(self, state_id: str, tenant: str | None, param: str) -> Holder | None:
+        """``state_id``'s holder for a request of ``tenant``. NotFound (404, naming
+        ``param``) for another tenant's id and, with API keys on (``tenant`` set), for an id
+        of no known owner (a restart, an evicted id): the engine's store would serve it to
+        anyone (docs/security.md, "Ids a client sends"). None: unknown, keys off."""
+        holder = self.holder(state_id, tenant)
+        if holder is not None:
+            return holder
+        known = self.known(state_id)
+        if not known:
+            self.count("miss")
+        if tenant is not None or known:
+            raise NotFound(f"{param}: no response with id {state_id!r}", param=param)
+        return None
 
     def count(self, result: str) -> None:
         self.lookups[result] += 1
