@@ -12,8 +12,11 @@ PodDisruptionBudget (at most one pod down voluntarily) and, when ``gateway_max_r
 above ``gateway_replicas``, an ``autoscaling/v2`` HPA on the Pods metric
 ``kvgate_requests_per_second`` (needs a metrics adapter). Readiness is ``/health``: 200 while at
 least one engine is healthy, 503 otherwise, so a gateway that cannot route gets no traffic;
-liveness is ``/metrics``, which answers regardless of the engines (an engine outage must not
-restart gateways). Redis (``redis: in-cluster``) is a one-pod StatefulSet; the Mooncake master
+liveness is ``/metrics`` on the admin port (``server.admin_port``, :data:`ADMIN_PORT`: no key
+needed there, while the API port answers ``/metrics`` to admin keys only), which answers
+regardless of the engines (an engine outage must not restart gateways). The admin port is a
+container port only, not in the Service: Prometheus scrapes the pods. Redis
+(``redis: in-cluster``) is a one-pod StatefulSet; the Mooncake master
 (``lmcache-mooncake``) a one-pod Deployment and Service; the Mooncake store is the engines'
 own segments (``global_segment_size`` in each LMCache config), not a separate process.
 
@@ -87,13 +90,23 @@ def k8s_fleet(fleet: FleetSpec) -> FleetSpec:
                                     "mooncake_master": master})
 
 
+#: The gateway pod's admin port: /metrics and the full /health without a key (the liveness
+#: probe, Prometheus). 9090 unless the API port is 9090.
+ADMIN_PORT = 9090
+
+
+def _admin_port(fleet: FleetSpec) -> int:
+    return ADMIN_PORT if fleet.gateway.port != ADMIN_PORT else ADMIN_PORT + 1
+
+
 def _gateway_yaml(fleet: FleetSpec) -> str:
     """The script target's gateway config over the pods' names, listening on all addresses,
     with the ``api-keys`` plugin reading the mounted keys Secret (``kvgate serve --keys`` is a
     billing flag: it needs ``--prices``)."""
     text = _gateway_config(k8s_fleet(fleet))
     data = yaml.safe_load(text)
-    data["server"] = {"host": "0.0.0.0", "port": fleet.gateway.port}
+    data["server"] = {"host": "0.0.0.0", "port": fleet.gateway.port,
+                      "admin_port": _admin_port(fleet)}
     if fleet.kubernetes.keys_secret is not None:
         data["plugins"].insert(0, {"type": "api-keys", "params": {"file": _KEYS_FILE}})
     return yaml.safe_dump(data, sort_keys=False)
@@ -253,12 +266,13 @@ def _gateway_container(fleet: FleetSpec, checksum: str) -> Obj:
         mounts.append({"name": "keys", "mountPath": "/etc/kvgate-keys", "readOnly": True})
     return {"name": "kvgate", "image": k.gateway_image, "command": args,
             "workingDir": "/var/lib/kvgate", "env": _gateway_env(k),
-            "ports": [{"name": "http", "containerPort": fleet.gateway.port}],
+            "ports": [{"name": "http", "containerPort": fleet.gateway.port},
+                      {"name": "admin", "containerPort": _admin_port(fleet)}],
             "resources": {"requests": {"cpu": "500m", "memory": "512Mi"},
                           "limits": {"memory": "2Gi"}},
             "readinessProbe": {"httpGet": {"path": "/health", "port": "http"},
                                "periodSeconds": 5, "failureThreshold": 2},
-            "livenessProbe": {"httpGet": {"path": "/metrics", "port": "http"},
+            "livenessProbe": {"httpGet": {"path": "/metrics", "port": "admin"},
                               "initialDelaySeconds": 10, "periodSeconds": 10,
                               "failureThreshold": 6},
             "volumeMounts": mounts}

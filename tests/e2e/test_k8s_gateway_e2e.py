@@ -4,8 +4,9 @@ ConfigMap's ``kvgate.yaml`` (its api-keys plugin reads the mounted keys Secret) 
 redis-server. The
 engines' pod names do not resolve here, which is what a gateway sees before the engine pods
 exist: the readiness path (``/health``) must be 503 from the start (no probe has passed) and
-stay so once the gateway's probes have failed, while the liveness path (``/metrics``) keeps
-answering 200 (an engine outage must never restart gateways)."""
+stay so once the gateway's probes have failed, while the liveness path (``/metrics`` on the
+admin port) keeps answering 200 (an engine outage must never restart gateways). The API port's
+``/health`` says only its status and its ``/metrics`` wants an admin key (the keys are on)."""
 
 from __future__ import annotations
 
@@ -80,29 +81,36 @@ def test_rendered_gateway_command_serves_and_probes_mean_what_the_guide_says(
         {"id": "root", "tenant": "ops", "sha256": hash_key(admin), "admin": True}]}))
     redis = RedisServer()
     redis.start()
-    port = free_port()
+    port, admin_port = free_port(), free_port()
     args = _command(container, {"KVGATE_REDIS_URL": redis.url}, mounts)
     assert args[:2] == ["kvgate", "serve"] and "--redis" in args
-    base = f"http://127.0.0.1:{port}"
+    base, admin_base = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
+    ports = {p["name"]: admin_base if p["name"] == "admin" else base for p in container["ports"]}
     with contextlib.ExitStack() as stack:
         stack.callback(redis.stop)
         stack.enter_context(running_process(
-            [KVGATE, *args[1:], "--host", "127.0.0.1", "--port", str(port)],
-            f"{base}/metrics", log=tmp_path / "kvgate.log", cwd=tmp_path))
-        readiness = container["readinessProbe"]["httpGet"]["path"]
-        liveness = container["livenessProbe"]["httpGet"]["path"]
+            [KVGATE, *args[1:], "--host", "127.0.0.1", "--port", str(port), "--admin-port",
+             str(admin_port)], f"{admin_base}/metrics", log=tmp_path / "kvgate.log",
+            cwd=tmp_path))
+        ready_get, live_get = (container[p]["httpGet"] for p in ("readinessProbe",
+                                                                  "livenessProbe"))
+        readiness = ports[ready_get["port"]] + ready_get["path"]
+        liveness = ports[live_get["port"]] + live_get["path"]
+        assert readiness.startswith(base) and liveness == f"{admin_base}/metrics"
         # not ready from the start (no probe has passed: "starting"), then the probes fail
-        first = httpx.get(base + readiness, timeout=2)
-        assert first.status_code == 503 and first.json()["status"] == "starting"
-        resp = _until_unready(base + readiness, time.monotonic() + 30)
+        first = httpx.get(readiness, timeout=2)
+        assert first.status_code == 503 and first.json() == {"status": "starting"}
+        resp = _until_unready(f"{admin_base}/health", time.monotonic() + 30)
         body = resp.json()
         assert resp.status_code == 503 and body["engines_total"] == 4
         assert body["engines_healthy"] == 0 and body["status"] == "starting"
-        assert "svc.cluster.local" not in httpx.get(base + readiness, timeout=2).text
-        assert httpx.get(base + liveness, timeout=2).status_code == 200
+        assert httpx.get(readiness, timeout=2).status_code == 503
+        assert "svc.cluster.local" not in httpx.get(readiness, timeout=2).text
+        assert httpx.get(liveness, timeout=2).status_code == 200
+        assert httpx.get(f"{base}/metrics", timeout=2).status_code == 401
         chat = {"model": "Qwen/Qwen3-8B", "messages": [{"role": "user", "content": "hi"}]}
         denied = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=5)
         assert denied.status_code == 401  # the mounted keys file is in force
-        admin_view = httpx.get(base + readiness, timeout=2,
+        admin_view = httpx.get(readiness, timeout=2,
                                headers={"Authorization": f"Bearer {admin}"})
         assert "svc.cluster.local" in admin_view.text  # the admin key from the Secret works

@@ -54,29 +54,29 @@ def served(vllm_fleet: list[LocalEngine], events_port: int, tiny_model: Path,
     tmp = tmp_path_factory.mktemp("isolation")
     keys = write_keys(tmp)  # user: tenant globex; admin: tenant acme
     with kvgate_serve(_config(vllm_fleet, events_port, tiny_model, tmp, keys), tmp) as url:
-        _warm_up(url, vllm_fleet)
+        _warm_up(url, vllm_fleet, keys.auth("admin"))
         yield url, tmp, keys
 
 
-def _blocks(url: str) -> float:
-    for line in httpx.get(url + "/metrics").text.splitlines():
+def _blocks(url: str, admin: dict[str, str]) -> float:
+    for line in httpx.get(url + "/metrics", headers=admin).text.splitlines():
         if line.startswith("kvgate_kv_index_blocks "):
             return float(line.split()[1])
     return 0.0
 
 
-def _warm_up(url: str, engines: list[LocalEngine]) -> None:
+def _warm_up(url: str, engines: list[LocalEngine], admin: dict[str, str]) -> None:
     """Events an engine published before the gateway's socket was up are lost: prompts straight
     to each engine until the gateway's index grows from them."""
     for engine in engines:
         for i in range(20):
-            before = _blocks(url)
+            before = _blocks(url, admin)
             body = {"model": SERVED_NAME, "max_tokens": 1,
                     "prompt": f"warm up {engine.name} {i} " + "word " * 300}
             assert httpx.post(engine.url + "/v1/completions", json=body,
                               timeout=300).status_code == 200
             time.sleep(0.5)
-            if _blocks(url) > before:
+            if _blocks(url, admin) > before:
                 break
         else:
             raise AssertionError(f"no KV events from {engine.name}")
@@ -101,9 +101,9 @@ def _ask(url: str, headers: dict[str, str], body: dict[str, Any]) -> tuple[str |
     return resp.headers.get("x-kvgate-engine"), int(cached or 0)
 
 
-def _predictions(url: str) -> dict[str, float]:
+def _predictions(url: str, admin: dict[str, str]) -> dict[str, float]:
     out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics").text.splitlines():
+    for line in httpx.get(url + "/metrics", headers=admin).text.splitlines():
         if line.startswith("kvgate_kv_predictions_total{"):
             head, value = line.rsplit(" ", 1)
             result = head.split('result="')[1].split('"')[0]
@@ -129,6 +129,6 @@ def test_same_prompt_two_tenants(served: tuple[str, Path, Keys],
         assert _ask(holder.url, {}, _chat("direct question", salt))[1] == 0
     engine, cached = _ask(url, globex, _chat("second question"))
     assert (engine, cached >= 128) == (other, True), (engine, cached)  # its repeat is
-    predictions = _predictions(url)
+    predictions = _predictions(url, acme)
     assert predictions.get("within_block", 0) >= 4, predictions
     assert not predictions.get("over") and not predictions.get("under"), predictions

@@ -155,7 +155,7 @@ async def test_engine_5xx_is_retried_with_backoff(tmp_path: Path, keys: Keys) ->
                                      headers={**Q, **keys.auth("user")})
             job = await _finished(app, resp.json()["id"])
             assert job.state is JobState.SUCCEEDED and job.attempts == 3
-            metrics = (await client.get("/metrics")).text
+            metrics = (await client.get("/metrics", headers=keys.auth("admin"))).text
             assert 'kvgate_async_job_retries_total{kind="queued"} 2.0' in metrics
             rows = await ledger_rows(app)
             assert rows[job.spec.id].status == 200  # one record, the final attempt's
@@ -239,12 +239,13 @@ async def test_metrics_and_health(gw: tuple[KvgateApp, httpx.AsyncClient], keys:
     resp = await client.post("/v1/chat/completions", json=CHAT, headers={**Q, **keys.auth("user")})
     await _finished(app, resp.json()["id"])
     await asyncio.sleep(0.2)
-    metrics = (await client.get("/metrics")).text
+    metrics = (await client.get("/metrics", headers=keys.auth("admin"))).text
     assert 'kvgate_async_jobs_finished_total{kind="queued",outcome="succeeded"} 1.0' in metrics
     assert 'kvgate_async_jobs_started_total{kind="queued"} 1.0' in metrics
     assert "kvgate_async_store_up 1.0" in metrics
     assert 'kvgate_async_job_wait_seconds_count{kind="queued"} 1.0' in metrics
-    health = (await client.get("/health")).json()["plugins"]["async-queue"]
+    health = (await client.get("/health", headers=keys.auth("admin"))).json()
+    health = health["plugins"]["async-queue"]
     assert health["backend"] == "sqlite" and health["ok"] is True
 
 

@@ -119,7 +119,7 @@ async def test_usage_api_export_and_metrics_agree(tmp_path: Path, kind: str,
         rows = await ledger_rows(app)
         page = (await client.get(query, headers=keys.auth("admin"))).json()
         denied = await client.get(query, headers=keys.auth("user"))
-        metrics = (await client.get("/metrics")).text
+        metrics = (await client.get("/metrics", headers=keys.auth("admin"))).text
     assert denied.status_code == 403
     assert len(rows) == 30
     for r in rows.values():

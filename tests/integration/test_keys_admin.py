@@ -197,16 +197,19 @@ async def test_keys_file_edit_reloads_and_a_bad_edit_keeps_the_last_good(gw: Gw)
     path.write_text("keys: [{id: broken")
 
     async def degraded() -> bool:
-        health = (await gw.client.get("/health")).json()["plugins"]["api-keys"]
+        health = (await gw.client.get("/health", headers=gw.auth(ADMIN))).json()
+        health = health["plugins"]["api-keys"]
         return health.get("ok") is False and "invalid keys file" in health["reload_error"]
     await until(degraded, 10)
     assert await gw.works(extra) and await gw.works(USER)  # the last good keys serve
-    assert "kvgate_config_reload_degraded 1.0" in (await gw.client.get("/metrics")).text
+    metrics = (await gw.client.get("/metrics", headers=gw.auth(ADMIN))).text
+    assert "kvgate_config_reload_degraded 1.0" in metrics
     write = await gw.admin("POST", "/keys", {"tenant": "acme"})
     assert write.status_code == 503 and write.json()["error"]["code"] == "keys_store_unavailable"
     _write_keys(path)  # fixed (and hand-1 removed)
     assert await until(lambda: _not(gw.works(extra)), 10)
-    health = (await gw.client.get("/health")).json()["plugins"]["api-keys"]
+    health = (await gw.client.get("/health", headers=gw.auth(ADMIN))).json()
+    health = health["plugins"]["api-keys"]
     assert "reload_error" not in health and health["reloads"] >= 2
 
 
@@ -231,7 +234,8 @@ async def test_catalog_and_prices_reload_on_change_and_admin_call(gw: Gw) -> Non
     assert answer.json() == {"object": "admin.reload", "replicas_notified": False,
                              "reloaded": {"keys": True, "catalog": False}}
     assert await gw.works(USER, "fresh")  # the last good catalog serves
-    health = (await gw.client.get("/health")).json()["plugins"]["api-keys"]
+    health = (await gw.client.get("/health", headers=gw.auth(ADMIN))).json()
+    health = health["plugins"]["api-keys"]
     assert "no-such-engine" in health["reload.catalog"]["reload_error"]
 
 

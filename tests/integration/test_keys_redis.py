@@ -91,11 +91,13 @@ async def test_redis_outage_keeps_the_last_good_keys(fleet: list[RunningSim], tm
         await asyncio.to_thread(redis_db.stop)
 
         async def degraded() -> bool:
-            health = (await b.client.get("/health")).json()["plugins"]["api-keys"]
+            health = (await b.client.get("/health", headers=b.auth(ADMIN))).json()
+            health = health["plugins"]["api-keys"]
             return health.get("ok") is False and "Redis unavailable" in health["reload_error"]
         await until(degraded, 10)
         assert await b.works(USER) and await b.works(victim["key"])  # last good keys
-        assert "kvgate_config_reload_degraded 1.0" in (await b.client.get("/metrics")).text
+        metrics = (await b.client.get("/metrics", headers=b.auth(ADMIN))).text
+        assert "kvgate_config_reload_degraded 1.0" in metrics
         refused = await a.admin("POST", f"/keys/{victim['id']}/revoke")
         assert refused.status_code == 503, refused.text
         error = refused.json()["error"]
@@ -107,5 +109,6 @@ async def test_redis_outage_keeps_the_last_good_keys(fleet: list[RunningSim], tm
         await asyncio.to_thread(redis_db.start)
         assert (await a.admin("POST", f"/keys/{victim['id']}/revoke")).status_code == 200
         assert await until(lambda: _refuses(b, victim["key"]), 10)
-        health = (await b.client.get("/health")).json()["plugins"]["api-keys"]
+        health = (await b.client.get("/health", headers=b.auth(ADMIN))).json()
+        health = health["plugins"]["api-keys"]
         assert "reload_error" not in health and health["store"] == "redis"

@@ -109,7 +109,7 @@ async def test_metrics_have_plugin_counters_hook_timings_and_the_dashboards_name
                 "messages": [{"role": "user", "content": "metrics " * 80}]}
         for _ in range(2):
             assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
-        scraped = _scrape((await client.get("/metrics")).text)
+        scraped = _scrape(app.metrics_page().decode())
         counters = {(labels["plugin"], labels["holder"], labels["counter"]): value
                     for labels, value in scraped["kvgate_plugin_counter"]}
         assert counters[("tokenizer", "stats", "requests")] == 2
@@ -142,13 +142,13 @@ async def test_metrics_have_plugin_counters_hook_timings_and_the_dashboards_name
 ])
 async def test_hook_timings_are_sampled_one_request_in_n(
         tmp_path: Path, every: int, requests: int, timed: int) -> None:
-    async with _cache_aware(tmp_path, every) as (_, client):
+    async with _cache_aware(tmp_path, every) as (app, client):
         body = {"model": "sim-model", "max_tokens": 3,
                 "messages": [{"role": "user", "content": "sampled " * 40}]}
         for _ in range(requests):  # one at a time: each request's hooks run while it is the
             # latest to start
             assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
-        scraped = _scrape((await client.get("/metrics")).text)
+        scraped = _scrape(app.metrics_page().decode())
     hooks = {(labels["plugin"], labels["hook"]): value
              for labels, value in scraped.get("kvgate_plugin_hook_duration_seconds_count", [])}
     if timed == 0:

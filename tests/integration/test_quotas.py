@@ -114,7 +114,7 @@ async def test_concurrency_slot_released_on_every_outcome(setup: Any) -> None:
     sim.faults.apply(FaultSpec(delay_first_byte_s=0.0))
     again = await client.post("/v1/chat/completions", json=long_chat(5), headers=auth)
     assert again.status_code == 200
-    metrics = (await client.get("/metrics")).text
+    metrics = app.metrics_page().decode()
     assert 'kvgate_quota_rejections_total{dimension="concurrent",scope="key"} 1.0' in metrics
 
 

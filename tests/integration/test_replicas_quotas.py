@@ -52,6 +52,7 @@ KEYS: dict[str, tuple[str, dict[str, Any]]] = {
     "rate": ("acme", {"limits": {"requests_per_min": RPM}}),
     "open": ("globex", {"limits": {"requests_per_min": 100_000, "max_concurrent": 64}}),
     "closed": ("globex", {"budget_usd": "100"}),
+    "ops": ("ops", {"admin": True}),  # reads /health and /metrics
 }
 _rid = itertools.count()
 
@@ -216,16 +217,17 @@ async def test_redis_killed_mid_load_follows_the_policy(fleet: Fleet) -> None:
         in codes, codes  # fail closed
     async with httpx.AsyncClient(timeout=10) as client:
         for url in fleet.urls:
-            health = (await client.get(url + "/health")).json()["plugins"]["quotas"]
+            ops = fleet.auth("ops")
+            health = (await client.get(url + "/health", headers=ops)).json()["plugins"]["quotas"]
             assert (health["backend"], health["state"]) == ("redis", "down")
             assert "kvgate_quota_store_up{backend=\"redis\"} 0.0" in (
-                await client.get(url + "/metrics")).text
+                await client.get(url + "/metrics", headers=ops)).text
         fleet.redis.proc = None
         fleet.redis.start()  # back, empty: spend is seeded again from the ledger
 
         async def recovered() -> bool:
-            states = [(await client.get(u + "/health")).json()["plugins"]["quotas"]["state"]
-                      for u in fleet.urls]
+            states = [(await client.get(u + "/health", headers=fleet.auth("ops"))).json()
+                      ["plugins"]["quotas"]["state"] for u in fleet.urls]
             return states == ["ok"] * REPLICAS
         await until(recovered, 20)
     after = await _load(fleet, "closed", 6, 3)
