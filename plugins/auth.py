@@ -77,12 +77,16 @@ from plugins.keys_model import (
     KeysFile,
     Limits,
     TenantEntry,
+    bearer,
     build_index,
+    credential,
     hash_key,
     load_keys,
     new_key,
     read_keys_file,
+    utcnow,
 )
+from plugins.keys_revoked import Revocations, default_path
 from plugins.keys_store import (
     FileKeyStore,
     KeyStore,
@@ -108,31 +112,6 @@ ADMIN_PREFIX = "/v1/admin"
 DEFAULT_RELOAD = ("catalog", "billing")
 
 
-def bearer(value: str | None) -> str | None:
-    """The token of an ``Authorization: Bearer`` value (None if absent; 401 if malformed)."""
-    if value is None:
-        return None
-    scheme, _, token = value.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise Unauthorized("Authorization header must be 'Bearer <API key>'")
-    return token.strip()
-
-
-def credential(authorization: str | None, api_key: str | None) -> str | None:
-    """The API key from an ``Authorization: Bearer`` value and/or an ``x-api-key`` value (None
-    if neither; 401 if malformed, or if both are present and differ)."""
-    token = bearer(authorization)
-    if api_key is None:
-        return token
-    key = api_key.strip()
-    if not key:
-        raise Unauthorized("x-api-key header is empty")
-    if token is not None and token != key:
-        raise Unauthorized("conflicting credentials: the Authorization and x-api-key headers "
-                           "carry different API keys; send one")
-    return key
-
-
 class ApiKeys(Plugin, Authenticator, PrincipalLookup, RequestHook, Lifecycle, AsgiMount,
               HealthSource, MetricsSource):
     """``api-keys``: authenticates every inference request (401), checks the key's model
@@ -140,7 +119,8 @@ class ApiKeys(Plugin, Authenticator, PrincipalLookup, RequestHook, Lifecycle, As
 
     Params: ``file`` (keys file; required unless disabled or ``redis_url``), ``disabled``,
     ``catalog``, ``redis_url``, ``key_prefix``, ``redis_timeout_s`` [s], ``poll_interval_s``
-    [s], ``watch_interval_s`` [s], ``reload`` (plugin names), ``admin_api`` (docs/config.md).
+    [s], ``watch_interval_s`` [s], ``reload`` (plugin names), ``admin_api``,
+    ``revocations_file`` (docs/config.md; plugins/keys_revoked.py).
     State: one key index (bounded by the store; revoked keys are not in it) and one
     :class:`~plugins.reload.FileReloader` per ``reload`` entry.
     """
@@ -171,6 +151,8 @@ class ApiKeys(Plugin, Authenticator, PrincipalLookup, RequestHook, Lifecycle, As
         reload: tuple[str, ...] | None = None
         #: Mount the admin API at /v1/admin (admin keys only).
         admin_api: bool = True
+        #: The revocation list (plugins/keys_revoked.py); default ``<file>.revoked``.
+        revocations_file: str | None = None
 
         @model_validator(mode="after")
         def _need_file(self) -> ApiKeys.Params:
@@ -195,7 +177,14 @@ class ApiKeys(Plugin, Authenticator, PrincipalLookup, RequestHook, Lifecycle, As
         self.file_store = None if params.file is None else FileKeyStore(Path(params.file))
         seed = KeysFile() if params.file is None else read_keys_file(Path(params.file))
         self.seed = seed
+        self.revocations = Revocations.load(
+            None if self.disabled else default_path(params.file, params.revocations_file))
         self.index = self._index(seed)
+        if params.redis_url is None:  # the file is the store: rotations are learned from it
+            self.revocations.last = seed
+        elif self.revocations.path is None and not self.disabled:
+            log.warning("api-keys: keys in Redis and no keys file: revocations are not durable "
+                        "(set revocations_file; docs/security.md, Revocation)")
         if params.redis_url is not None and find_spec("redis") is None:
             raise ConfigError("redis_url needs the 'redis' package (pip install 'kvgate[redis]')")
         self.redis: RedisKeyStore | None = None
@@ -219,13 +208,15 @@ class ApiKeys(Plugin, Authenticator, PrincipalLookup, RequestHook, Lifecycle, As
 
     # -- the index ---------------------------------------------------------------------------
     def _index(self, parsed: KeysFile) -> KeyIndex:
-        """The index of ``parsed``, allow-lists as public catalog names (ConfigError else)."""
+        """The index of ``parsed`` with the revocation list applied, allow-lists as public
+        catalog names (ConfigError else)."""
+        parsed = self.revocations.apply(parsed, utcnow())
         if self.catalog is None:
-            return build_index(parsed)
+            return self.revocations.cap(build_index(parsed))
         source = self.p.file or "Redis"
         keys = tuple(self._canonical(source, k) for k in parsed.keys)
         canonical = build_index(parsed.model_copy(update={"keys": keys}))
-        return dataclasses.replace(canonical, source=parsed)
+        return self.revocations.cap(dataclasses.replace(canonical, source=parsed))
 
     def _canonical(self, source: str, entry: KeyEntry) -> KeyEntry:
         if entry.models is None or self.catalog is None:
@@ -310,7 +301,8 @@ class ApiKeys(Plugin, Authenticator, PrincipalLookup, RequestHook, Lifecycle, As
             raise StoreUnavailable(f"cannot read the keys: {type(exc).__name__}") from None
 
     async def write_keys(self, op: str, change: Callable[[KeysFile], KeysFile]) -> KeysFile:
-        """Apply ``change`` in the store; this replica serves the result at once."""
+        """Apply ``change`` in the store; this replica serves the result at once; what it
+        refuses is in the revocation list before the answer (503 if it cannot be)."""
         try:
             new = await self._writable().update(change)
         except self._errors as exc:
@@ -318,6 +310,8 @@ class ApiKeys(Plugin, Authenticator, PrincipalLookup, RequestHook, Lifecycle, As
                                    "nothing was changed") from None
         self.admin_ops[op] = self.admin_ops.get(op, 0) + 1
         self.install(new, self.token)  # the poll still sees the version change: harmless
+        if (error := await self.revocations.keep(new, rotations=True)) is not None:
+            raise StoreUnavailable(f"{op} applied, but {error}; send it again")
         log.info("api-keys: admin %s applied (%d live keys)", op, len(self.index.by_id))
         return new
 
@@ -400,7 +394,8 @@ class ApiKeys(Plugin, Authenticator, PrincipalLookup, RequestHook, Lifecycle, As
     async def _poll_redis(self, first: bool) -> None:
         assert self.redis is not None
         try:
-            if first and self.p.file is not None and await self.redis.seed(self.seed):
+            seed = self.revocations.apply(self.seed, utcnow())  # what Redis lost stays refused
+            if first and self.p.file is not None and await self.redis.seed(seed):
                 log.info("api-keys: seeded Redis with %d keys from %s", len(self.seed.keys),
                          self.p.file)
             version, reload_count = await self.redis.tokens()
@@ -425,6 +420,7 @@ class ApiKeys(Plugin, Authenticator, PrincipalLookup, RequestHook, Lifecycle, As
         if store is None:
             return False
         try:
+            await asyncio.to_thread(self.revocations.refresh)
             token, parsed = await store.read()
             self.install(parsed, token)
         except ConfigError as exc:
@@ -435,6 +431,9 @@ class ApiKeys(Plugin, Authenticator, PrincipalLookup, RequestHook, Lifecycle, As
             self.status.failed_with(f"{what} unavailable ({type(exc).__name__}): serving the "
                                     "last good keys")
             return False
+        await self.revocations.keep(parsed, rotations=store is self.redis)
+        if self.redis is not None and store is self.redis:  # Redis lost what the list has
+            await self.revocations.heal(self.redis, parsed, self._errors)
         self.status.succeeded(f"{len(self.index.by_id)} live keys ({store.kind}, "
                               f"version {token})")
         return True
@@ -447,7 +446,8 @@ class ApiKeys(Plugin, Authenticator, PrincipalLookup, RequestHook, Lifecycle, As
         if self.disabled:
             return {"disabled": True}
         out: dict[str, object] = {"store": "redis" if self.p.redis_url else "file",
-                                  "live_keys": len(self.index.by_id), **self.status.health()}
+                                  "live_keys": len(self.index.by_id), **self.status.health(),
+                                  **self.revocations.health()}
         for r in self.reloaders:
             out[f"reload.{r.status.name}"] = r.status.health()
         return out

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from middleware.errors import ConfigError
+from middleware.errors import ConfigError, Unauthorized
 
 KEY_PREFIX = "kvg-"
 _ID = r"^[A-Za-z0-9._:-]+$"
@@ -172,6 +172,31 @@ def load_keys(path: Path) -> dict[str, ApiKey]:
     """sha256 -> key of the live keys of a keys file (ConfigError naming the file)."""
     return {h: k for h, (k, until) in build_index(read_keys_file(path)).by_hash.items()
             if until is None}
+
+
+def bearer(value: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer`` value (None if absent; 401 if malformed)."""
+    if value is None:
+        return None
+    scheme, _, token = value.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthorized("Authorization header must be 'Bearer <API key>'")
+    return token.strip()
+
+
+def credential(authorization: str | None, api_key: str | None) -> str | None:
+    """The API key from an ``Authorization: Bearer`` value and/or an ``x-api-key`` value (None
+    if neither; 401 if malformed, or if both are present and differ)."""
+    token = bearer(authorization)
+    if api_key is None:
+        return token
+    key = api_key.strip()
+    if not key:
+        raise Unauthorized("x-api-key header is empty")
+    if token is not None and token != key:
+        raise Unauthorized("conflicting credentials: the Authorization and x-api-key headers "
+                           "carry different API keys; send one")
+    return key
 
 
 def hash_key(key: str) -> str:
