@@ -49,6 +49,7 @@ from middleware.errors import (
 )
 from middleware.gateway import ApiRoutes, Gateway
 from middleware.h1client import H1Client, H1Collector, host_port
+from middleware.h1limits import H1Limits, H1LimitsCollector
 from middleware.loopback import Loopback
 from middleware.metrics import GatewayMetrics
 from middleware.pipeline import build_pipeline
@@ -129,6 +130,9 @@ class KvgateApp:
         self._client: H1Client | None = None
         self.metrics.registry.register(H1Collector(
             lambda: self._client, {host_port(e.url): e.name for e in config.engines}))
+        #: what the HTTP front end (middleware/h1server.py) holds its connections to
+        self.h1_limits = H1Limits(config.server)
+        self.metrics.registry.register(H1LimitsCollector(self.h1_limits))
         self.loopback = Loopback(self, self.pipeline.authenticator, self.pool.snapshot)
         for user in self.pipeline.loopback_users:
             user.bind_loopback(self.loopback)

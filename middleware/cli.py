@@ -91,13 +91,22 @@ def serve_config(config: GatewayConfig, workers: int = 1, http: str = "kvgate") 
         os.environ[WORKERS_ENV] = str(workers)
     else:
         tune_gc()
+    server = config.server
     uvicorn.run(
-        app, factory=workers > 1, workers=workers, host=config.server.host,
-        port=config.server.port, loop="uvloop", http=HTTP_FRONTS[http], lifespan="on",
-        access_log=False, log_level=config.server.log_level, server_header=False,
-        date_header=False, timeout_keep_alive=30, proxy_headers=http == "uvicorn",
+        app, factory=workers > 1, workers=workers, host=server.host,
+        port=server.port, loop="uvloop", http=HTTP_FRONTS[http], lifespan="on",
+        access_log=False, log_level=server.log_level, server_header=False,
+        date_header=False, timeout_keep_alive=server.keep_alive_timeout_s,
+        proxy_headers=http == "uvicorn", limit_concurrency=uvicorn_limit(server, http),
     )
     return 0
+
+
+def uvicorn_limit(server: ServerConfig, http: str) -> int | None:
+    """uvicorn's ``limit_concurrency`` for ``server.max_connections``: kvgate's front applies
+    the limit itself (middleware/h1limits.py); uvicorn's protocol answers 503 to every request
+    while it has that many connections or requests (itself included), hence the one more."""
+    return server.max_connections + 1 if http == "uvicorn" else None
 
 
 def quick_start(args: argparse.Namespace) -> QuickStart:

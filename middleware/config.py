@@ -80,6 +80,42 @@ class ServerConfig(BaseModel):
     #: Seconds between routing-state snapshots (also written at shutdown): a killed gateway
     #: loses at most this much. 30 s: a snapshot of 65k pins takes a few ms on the loop.
     routing_state_save_s: float = Field(30.0, gt=0)
+    # -- HTTP front-end limits (middleware/h1limits.py; docs/security.md has the table) --------
+    #: Longest request target (the request line less its method and version) [bytes]; longer:
+    #: 414. 8 KiB: the request line nginx (large_client_header_buffers 8k) and Apache
+    #: (LimitRequestLine 8190) accept; kvgate's routes are short paths without queries.
+    max_url_bytes: int = Field(8 * 1024, ge=256, le=1 << 20)
+    #: Largest request head, request line and headers [bytes]; larger: 431. 32 KiB: nginx's
+    #: default total (4 x 8k), so no client that works through nginx needs more; twice h11's
+    #: and Node's 16 KiB for long bearer tokens and tracing headers. Go's 1 MiB would let the
+    #: ``max_connections`` connections hold 4 GiB of heads.
+    max_head_bytes: int = Field(32 * 1024, ge=1024, le=1 << 24)
+    #: Most request headers [count]; more: 431. 100: Apache's LimitRequestFields and Tomcat's
+    #: maxHeaderCount; an SDK sends ~15, proxies and tracing add a few dozen at most.
+    max_headers: int = Field(100, ge=8)
+    #: Time to receive a whole request head [s], from the connection's opening for its first
+    #: request, from the head's first byte for later ones; then 408 and close (a new connection
+    #: that sent nothing is just closed). 10 s: a head is one or two packets and three
+    #: retransmissions of a lost one (1 + 2 + 4 s) fit; nginx's 60 s lets a slow client hold a
+    #: connection six times longer (uvicorn and Go's http.Server have none by default).
+    head_timeout_s: float = Field(10.0, gt=0)
+    #: Time for a request body to start [s] (after its head, or its ``100 Continue``); every
+    #: ``body_min_bytes_per_s`` bytes received buy one second more; slower: 408 and close.
+    #: 20 s and 500 bytes/s: Apache's mod_reqtimeout default (body=20,MinRate=500): an 8 MiB
+    #: body on a slow link passes, a trickle meant to hold the connection does not.
+    body_timeout_s: float = Field(20.0, gt=0)
+    #: Minimum body rate after ``body_timeout_s`` [bytes/s]; 0: the whole body within it.
+    body_min_bytes_per_s: int = Field(500, ge=0)
+    #: Time an idle keep-alive connection is kept after a response [whole s: uvicorn's setting
+    #: is an int]; then closed. 30 s: longer than the client pools of the OpenAI SDK (httpx,
+    #: 5 s) and aiohttp (15 s), so a client rarely sends on a connection being closed; behind
+    #: a load balancer, set it above the balancer's own idle timeout (AWS ALB: 60 s).
+    keep_alive_timeout_s: int = Field(30, ge=1)
+    #: Most client connections one process serves at once [count]; beyond, a connection's
+    #: first request gets 503 with ``Retry-After: 1`` and the connection is closed. 4096: 16
+    #: engines' worth of vLLM's 256 concurrent sequences, within a service's usual file limit
+    #: (65536) with the engine connections. Per process: ``--workers N`` serves N times it.
+    max_connections: int = Field(4096, ge=1)
 
     @model_validator(mode="after")
     def _two_ports(self) -> ServerConfig:

@@ -30,7 +30,8 @@ pauses while one waits), content-length and chunked request bodies (httptools de
 write backpressure (``send`` waits while the transport's buffer is above its high-water
 mark), ``http.disconnect`` once the client leaves or the response is complete, 400 on a
 request httptools cannot parse, 500 when the app fails before answering (the connection is
-closed when it fails after), ``limit_concurrency`` (503) and the graceful shutdown.
+closed when it fails after), ``limit_concurrency`` (503) and the graceful shutdown. Added:
+limits on what a client can make a connection hold (414, 431, 408, 503: middleware/h1limits.py).
 WebSocket upgrades are not served (the gateway has no WebSocket route): such a request is
 answered as plain HTTP, as uvicorn does without a WebSocket library.
 """
@@ -53,6 +54,7 @@ from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
 from uvicorn.server import ServerState
 
 from middleware.asgi import DISCONNECT_EXTENSION
+from middleware.h1limits import HEAD, GuardedConnection, Refusal
 
 log = logging.getLogger("kvgate.h1server")
 
@@ -92,12 +94,6 @@ def _status_line(code: int) -> bytes:
 
 
 _STATUS = {code: _status_line(code) for code in range(100, 600)}
-
-
-def _bad_request(message: str) -> bytes:
-    body = message.encode()
-    return (_STATUS[400] + b"content-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
-            b"content-length: %d\r\n\r\n" % len(body) + body)
 
 
 class DisconnectNotice:
@@ -174,6 +170,7 @@ class _Exchange:
             self.expect_continue = False
             if not self.conn.transport.is_closing():
                 self.conn.transport.write(_CONTINUE)
+                self.conn.restart_body_window()
         while not (self.disconnected or self.complete):
             if self.chunks or not (self.more_body or self.taken):
                 return self._take()
@@ -297,7 +294,7 @@ class _Exchange:
         await self.send({"type": "http.response.body", "body": b"Internal Server Error"})
 
 
-class H1Protocol(asyncio.Protocol):
+class H1Protocol(GuardedConnection):
     """One client connection (the class uvicorn's server instantiates per connection)."""
 
     def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
@@ -318,7 +315,7 @@ class H1Protocol(asyncio.Protocol):
         self.queue: deque[_Exchange] = deque()  # pipelined requests waiting their turn
         self.read_paused = False
         self.drained: asyncio.Future[None] | None = None  # set while writing is paused
-        self.idle: asyncio.TimerHandle | None = None
+        self._guard_init(self.app)
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._expect = False
@@ -329,6 +326,7 @@ class H1Protocol(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's: no asyncio subclass
         self.addr = (get_local_addr(self.transport), get_remote_addr(self.transport),
                      "https" if is_ssl(self.transport) else "http")
+        self._admit()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.state.connections.discard(self)
@@ -341,20 +339,26 @@ class H1Protocol(asyncio.Protocol):
         self.current = self.parsing = None
         self.queue.clear()
         self.resume_writing()
-        self._cancel_idle()
+        self._release()
         if exc is None:
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
-        self._cancel_idle()
+        if self.lingering:
+            return  # the rest of what a refused client sends (h1limits: lingering close)
+        self.chunk_at = self.fed
+        self.fed += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             pass  # answered as plain HTTP (module docstring)
-        except httptools.HttpParserError:
-            log.warning("invalid HTTP request received")
-            self.transport.write(_bad_request("Invalid HTTP request received."))
-            self.transport.close()
+        except httptools.HttpParserError as exc:
+            self._parse_failed(exc)
+            return
+        if self.reading != self.timer_for:
+            self._follow()
+        if self.reading == HEAD:
+            self._check_head_chunk()
 
     def pause_writing(self) -> None:
         if self.drained is None:
@@ -374,15 +378,20 @@ class H1Protocol(asyncio.Protocol):
         if self.read_paused and not self.queue:
             self.read_paused = False
             self.transport.resume_reading()
+            self.restart_body_window()  # the server held the body up, not the client
 
     # -- httptools callbacks --------------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._url = b""
         self._headers = []
         self._expect = False
+        self.parsing = None
+        self._head_began()
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        if len(self._url) > self.limits.max_url_bytes:
+            raise Refusal("url_too_long")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
@@ -391,6 +400,7 @@ class H1Protocol(asyncio.Protocol):
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        self._head_done(self._url, self._headers)
         version = self.parser.get_http_version()
         keep_alive = version != "1.0" and self.parser.should_keep_alive()
         ex = _Exchange(self, self._scope(version), keep_alive, self._expect)
@@ -402,6 +412,7 @@ class H1Protocol(asyncio.Protocol):
             self.pause_reading()
 
     def on_body(self, body: bytes) -> None:
+        self.body_seen += len(body)
         ex = self.parsing
         if ex is None or ex.complete or ex.taken:
             return
@@ -411,6 +422,7 @@ class H1Protocol(asyncio.Protocol):
         ex.wake()
 
     def on_message_complete(self) -> None:
+        self.reading = 0
         ex = self.parsing
         if ex is not None:
             ex.more_body = False
@@ -463,17 +475,18 @@ class H1Protocol(asyncio.Protocol):
             self._start(self.queue.popleft())
         else:
             self.resume_reading()
-            self.idle = self.loop.call_later(self.config.timeout_keep_alive, self._idle_close)
+            self._wait_next(self.config.timeout_keep_alive)
 
-    def _cancel_idle(self) -> None:
-        if self.idle is not None:
-            self.idle.cancel()
-            self.idle = None
+    def _drop_exchanges(self) -> bool:
+        ex, current = self.parsing, self.current
+        for pending in (current, *self.queue):
+            if pending is not None and not pending.complete:
+                pending.gone()
+        self.queue.clear()
+        return (current is None or current is ex) and (ex is None or not ex.started)
 
-    def _idle_close(self) -> None:
-        self.idle = None
-        if not self.transport.is_closing():
-            self.transport.close()
+    def _awaiting_continue(self) -> bool:
+        return self.parsing is not None and self.parsing.expect_continue
 
     def shutdown(self) -> None:
         """Graceful shutdown (uvicorn's server): close when idle, else after this response."""
