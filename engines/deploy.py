@@ -351,6 +351,8 @@ def _gateway_config(fleet: FleetSpec) -> str:
         if role == "prefill" and fleet.protocol in ("mooncake", "sglang"):
             eng["labels"] = {"bootstrap_host": spec.host,
                              "bootstrap_port": str(_side_port(spec, fleet.protocol, i))}
+        if fleet.protocol == "sglang":  # it ignores cache_salt: cache-salt warns about it
+            eng["labels"] = {**eng.get("labels", {}), "engine": "sglang"}
     if not fleet.pools.engines:
         data["disaggregation"] = {"connector": CONNECTOR[fleet.protocol]}
     return yaml.safe_dump(data, sort_keys=False)

@@ -33,8 +33,14 @@ before it and switched on; then it loads the gateway secret at startup. Inactive
 authenticator: the default preset without ``--keys``; ``disabled: true``: one local tenant),
 it injects nothing and the client's body goes to the engine unchanged; an authenticated request
 reaching an inactive plugin is said once in a WARNING (declare ``api-keys`` first). Only vLLM
-takes ``cache_salt``; an SGLang engine ignores unknown fields and isolates nothing. State: none
-per request beyond the state key; counters per outcome (bounded: four labels).
+takes ``cache_salt``; an SGLang engine ignores unknown fields and isolates nothing: tenants
+whose requests reach it share its prefix cache (a timing side channel). So an SGLang engine in
+the pool (kind ``sglang``, or labelled ``engine: sglang``, as ``kvgate deploy`` labels an SGLang
+fleet) while salting is on (or the keys hold more than one tenant) is named in a WARNING at
+startup, in this plugin's ``/health`` section (``unisolated_engines``) and by the gauge
+``kvgate_cache_salt_unisolated_engines`` (docs/security.md, "SGLang and cache_salt"). State:
+none per request beyond the state key; counters per outcome (bounded: four labels); the SGLang
+engines' names (bounded by the pool).
 """
 
 from __future__ import annotations
@@ -43,16 +49,23 @@ import base64
 import hashlib
 import hmac
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import ClassVar, Literal
 
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from middleware.errors import ConfigError
-from middleware.plugin import HealthSource, MetricsSource, Plugin, PluginLookup, RequestHook
-from middleware.types import CycleState, InferenceRequest
+from middleware.plugin import (
+    EndpointSetListener,
+    HealthSource,
+    MetricsSource,
+    Plugin,
+    PluginLookup,
+    RequestHook,
+)
+from middleware.types import CycleState, Endpoint, InferenceRequest
 from plugins.gateway_secret import (
     CACHE_SALT_PURPOSE,
     DEFAULT_ENV,
@@ -80,6 +93,11 @@ def derive_salt(key: bytes, scope: str) -> str:
     return SALT_PREFIX + base64.urlsafe_b64encode(mac).decode()
 
 
+def is_sglang(ep: Endpoint) -> bool:
+    """An SGLang engine: kind ``sglang``, or labelled ``engine: sglang``."""
+    return ep.kind == "sglang" or ep.labels.get("engine") == "sglang"
+
+
 def tenant_scope(tenant: str) -> str:
     return "tenant\x00" + tenant
 
@@ -88,7 +106,7 @@ def group_scope(group: str) -> str:
     return "group\x00" + group
 
 
-class CacheSalt(Plugin, RequestHook, MetricsSource, HealthSource):
+class CacheSalt(Plugin, RequestHook, MetricsSource, HealthSource, EndpointSetListener):
     """Plugin ``cache-salt`` (see the module docstring and docs/operations.md)."""
 
     type_name: ClassVar[str] = "cache-salt"
@@ -136,7 +154,10 @@ class CacheSalt(Plugin, RequestHook, MetricsSource, HealthSource):
         self.p = params
         self._groups = {t: g for g, ts in params.share_groups.items() for t in ts}
         self.counts = dict.fromkeys(OUTCOMES, 0)
+        self._auth: object = None
         self.active = self._auth_on(plugins)
+        #: SGLang engines in the pool (they ignore cache_salt).
+        self.sglang: set[str] = set()
         self.secret: GatewaySecret | None = None
         self._key = b""
         self._warned = False
@@ -151,10 +172,38 @@ class CacheSalt(Plugin, RequestHook, MetricsSource, HealthSource):
 
     def _auth_on(self, plugins: PluginLookup) -> bool:
         try:
-            found = plugins.lookup(self.p.auth)
+            found = self._auth = plugins.lookup(self.p.auth)
         except (ConfigError, KeyError):  # not declared (before this plugin)
             return False
         return getattr(found, "disabled", False) is not True
+
+    def _tenants(self) -> int:
+        """Tenants of the authenticator's live keys (0 when it has no key index)."""
+        by_id = getattr(getattr(self._auth, "index", None), "by_id", None)
+        if not isinstance(by_id, Mapping):
+            return 0
+        return len({getattr(key, "tenant", None) for key in by_id.values()})
+
+    def unisolated(self) -> list[str]:
+        """The SGLang engines whose cache tenants share while salting is on (or the keys hold
+        several tenants): a prefix-caching timing side channel between them."""
+        if not self.sglang or not (self.active or self._tenants() > 1):
+            return []
+        return sorted(self.sglang)
+
+    def on_endpoints_changed(self, added: Sequence[Endpoint],
+                             removed: Sequence[Endpoint]) -> None:
+        """Track the SGLang engines; new ones that tenants would share are said in a WARNING
+        (at startup: the pool announces every engine)."""
+        before = set(self.sglang)
+        self.sglang = (before - {ep.id for ep in removed}) | {
+            ep.id for ep in added if is_sglang(ep)}
+        new = sorted(set(self.unisolated()) - before)
+        if new:
+            log.warning("cache-salt: SGLang engine(s) %s ignore cache_salt: tenants whose "
+                        "requests reach them share their prefix cache and can time each "
+                        "other's prompts (docs/security.md, SGLang and cache_salt)",
+                        ", ".join(new))
 
     def salt_for(self, tenant: str) -> str:
         """The salt of ``tenant``'s requests (its group's when it shares one)."""
@@ -183,21 +232,28 @@ class CacheSalt(Plugin, RequestHook, MetricsSource, HealthSource):
         state.put(CACHE_SALT, salt)
 
     def collector(self) -> Collector:
-        return _Counts(self.counts)
+        return _Counts(self)
 
     def health(self) -> Mapping[str, object]:
         """Where the secret came from (never the secret or a salt) and the groups' sizes."""
-        return {
+        out: dict[str, object] = {
             "secret": None if self.secret is None else self.secret.source.split(" ", 1)[0],
             "injecting": self.active,
             "client_salt": self.p.client_salt,
             "share_groups": {g: len(ts) for g, ts in sorted(self.p.share_groups.items())},
         }
+        unisolated = self.unisolated()
+        if unisolated:
+            out["unisolated_engines"] = unisolated
+            out["warning"] = ("SGLang ignores cache_salt: tenants share these engines' prefix "
+                              "caches (a timing side channel; docs/security.md)")
+        return out
 
 
 class _Counts(Collector):
-    def __init__(self, counts: Mapping[str, int]) -> None:
-        self._counts = counts
+    def __init__(self, plugin: CacheSalt) -> None:
+        self._plugin = plugin
+        self._counts = plugin.counts
 
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily(
@@ -208,6 +264,11 @@ class _Counts(Collector):
         for outcome in OUTCOMES:
             family.add_metric([outcome], self._counts[outcome])
         yield family
+        yield GaugeMetricFamily(
+            "kvgate_cache_salt_unisolated_engines", "SGLang engines in the pool while tenants "
+            "are salted apart (or several): they ignore cache_salt, so tenants share their "
+            "prefix caches", value=len(self._plugin.unisolated()))
 
 
-__all__ = ["SALTED_APIS", "CacheSalt", "derive_salt", "group_scope", "tenant_scope"]
+__all__ = ["SALTED_APIS", "CacheSalt", "derive_salt", "group_scope", "is_sglang",
+           "tenant_scope"]

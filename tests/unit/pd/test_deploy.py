@@ -163,6 +163,9 @@ def test_gateway_config_builds(protocol: str, connector: str, labels: str | None
     assert [e.role.value for e in config.engines] == ["prefill", "prefill", "decode"]
     prefill0 = config.engines[0]
     assert prefill0.labels.get("bootstrap_port") == labels
+    # SGLang ignores cache_salt: its engines are labelled so that cache-salt can say so
+    assert {e.labels.get("engine") for e in config.engines} == (
+        {"sglang"} if protocol == "sglang" else {None})
     build_pipeline(config, Registry.from_entry_points())
 
 
