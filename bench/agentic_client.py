@@ -129,6 +129,11 @@ class Runner:
                 out[PARENT_HEADER] = parent
         return out
 
+    def url_for(self, sid: str, parent: str | None) -> str:
+        """Where a request of session ``sid`` goes: the base URL (a client-side router, such
+        as bench/kv_steady.py's pinning by index, overrides it)."""
+        return self.base_url
+
     async def send(self, messages: Sequence[dict[str, str]], turn: Turn, sid: str,
                    parent: str | None, index: int) -> Record:
         assert self._http is not None
@@ -136,7 +141,7 @@ class Runner:
         self.records.append(rec)
         stream = _Stream()
         try:
-            async with self._http.post(self.base_url + "/v1/chat/completions",
+            async with self._http.post(self.url_for(sid, parent) + "/v1/chat/completions",
                                        data=self.body(messages, turn),
                                        headers=self.headers(sid, parent)) as resp:
                 rec.status, rec.engine = resp.status, resp.headers.get(ENGINE_HEADER)

@@ -2,6 +2,7 @@
 whose KV caches hold only a few sessions each (method and results in docs/benchmarks.md).
 
     flock /tmp/kvgate-heavy.lock .venv/bin/python -m bench.kv_pressure
+    flock /tmp/kvgate-heavy.lock .venv/bin/python -m bench.kv_pressure --steady 5  # kv_steady.py
 
 Two engines (engines/local, one core each, the tiny model, prefix caching, KV events bound on
 ``tcp://*:<port>`` with vLLM's default empty topic) run the whole benchmark; every system x
@@ -46,7 +47,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from bench import agentic, venvs
+from bench import agentic, kv_steady, venvs
 from bench.agentic_client import Record, Runner
 from bench.agentic_ideal import RunSummary, ideal_cached, live_working_set, summarize
 from bench.agentic_systems import (
@@ -71,17 +72,29 @@ SEED = 0
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                   help=f"comma-separated, any of {', '.join(SYSTEMS)}")
-    p.add_argument("--levels", default="low,high", help="comma-separated: low, high")
+    p.add_argument("--systems", default=None,
+                   help=f"comma-separated, any of {', '.join(SYSTEMS)} (--steady: also "
+                        f"{kv_steady.PIN_INDEX}); default {','.join(DEFAULT_SYSTEMS)} "
+                        f"(--steady: {','.join(kv_steady.DEFAULT_SYSTEMS)})")
+    p.add_argument("--levels", default=None,
+                   help="comma-separated: low, high (default low,high; --steady: low)")
     p.add_argument("--modes", default="headers,no-headers",
-                   help="comma-separated: headers, no-headers (a system runs the modes it has)")
+                   help="comma-separated: headers, no-headers (a system runs the modes it has; "
+                        "--steady: workload k runs the k-th in turn)")
+    p.add_argument("--steady", type=int, default=0, metavar="N",
+                   help="steady state (bench/kv_steady.py): per system ONE gateway serves N "
+                        "workloads of seeds seed..seed+N-1, nothing reset between them")
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--kv-cache-bytes", type=int, default=KV_CACHE_BYTES)
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--venv-root", type=Path, default=venvs.DEFAULT_ROOT)
     args = p.parse_args(argv)
-    unknown = [s for s in args.systems.split(",") if s not in SYSTEMS]
+    steady = args.steady > 0
+    args.systems = args.systems or ",".join(kv_steady.DEFAULT_SYSTEMS if steady
+                                            else DEFAULT_SYSTEMS)
+    args.levels = args.levels or ("low" if steady else "low,high")
+    known = kv_steady.NAMES if steady else tuple(SYSTEMS)
+    unknown = [s for s in args.systems.split(",") if s not in known]
     unknown += [lv for lv in args.levels.split(",") if lv not in agentic.LEVELS]
     if unknown:
         p.error(f"unknown system(s) or level(s): {', '.join(unknown)}")
@@ -212,12 +225,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     signal.signal(signal.SIGINT, _exit)
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    name = "kv_steady" if args.steady else "kv_pressure"
+    if args.steady:  # the engines serve POST /reset_prefix_cache (reset between systems)
+        os.environ.setdefault(kv_steady.DEV_MODE_ENV, "1")
     model_dir = ensure_model(0)
     engines = start_fleet(2, kv_cache_bytes=args.kv_cache_bytes, kv_events_bind=True)
     try:
         fleet = fleet_of(engines, model_dir)
         doc: dict[str, Any] = {
-            "benchmark": "kv_pressure", "stamp": stamp,
+            "benchmark": name, "stamp": stamp,
             "command": shlex.join([sys.executable, "-m", "bench.kv_pressure",
                                    *(argv if argv is not None else sys.argv[1:])]),
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
@@ -226,11 +242,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "workloads": {}, "runs": [],
         }
         warm_up(fleet)
-        run_all(args, fleet, doc, args.out)
+        if args.steady:
+            kv_steady.run_steady(args, fleet, doc, args.out, token_counter(model_dir), compact)
+        else:
+            run_all(args, fleet, doc, args.out)
     finally:
         for engine in engines:
             stop(engine)
-    print(f"wrote {args.out / f'kv_pressure-{stamp}.json'}", flush=True)
+    print(f"wrote {args.out / f'{name}-{stamp}.json'}", flush=True)
     return doc
 
 
