@@ -456,7 +456,7 @@ class SessionAffinityScorer(
         if info is None:
             return
         pinned = state.get(self._pinned)
-        add_log_field(state, "affinity", "hashed" if pinned is None else
+        add_log_field(state, "affinity", "new" if pinned is None else
                       "kept" if pinned == decision.target.id else "moved")
         if self.table is not None:
             self.table.put_later(info.key, decision.target.id)

@@ -110,7 +110,7 @@ def _check_served(caplog: pytest.LogCaptureFixture) -> None:
         assert line["cached_tokens"] is not None
         assert float(line["cost"]) > 0 and isinstance(line["cost"], str)
         assert line["session"].startswith("hs1:")  # the ledger's keyed digest
-        assert line["affinity"] in {"hashed", "kept", "moved"}
+        assert line["affinity"] in {"new", "kept", "moved"}
         assert 0 <= line["ttfb_s"] <= line["total_s"]
         assert 0 < line["upstream_s"] <= line["total_s"]
     rejected = _one(caplog, "no-key")

@@ -1,0 +1,295 @@
+"""Routing in steady state, without timing: one long-running router per fleet serves a
+sequence of agentic workloads (bench/steady_workloads.py) over per-engine LRU caches that are
+never reset, and each workload's share of the ideal cached tokens is reported per system.
+
+The real ``kv-placement-scorer`` (kvgate's default decision) runs on every request with the
+prefix each engine holds, precise (the engines' true LRU contents, as KV events give) or
+approximate (the gateway's own record: kvgate's ``prefix-cache-producer`` in ``approximate``
+mode fed with the request's token ids), with or without session headers. Baselines: sessions
+pinned by index, random, least-loaded (fewest prefill tokens computed so far), consistent
+hash on the session id (vllm-router ``consistent_hash``) and a cache-aware router
+(vllm-router / sglang-router ``cache_aware``: the engine holding the largest share of the
+prompt when that share is at least 0.5, else the least loaded).
+
+A *cell* is (sequence seed, engines, KV ratio); its workloads alternate with and without
+session headers. From the second workload on, every workload of every cell is reported, and the
+worst. The ideal is one cache of unbounded size: every full block seen before is a hit.
+
+    python -m bench.steady_sim --seeds 1,2,3 --engines 2,4,8 --ratios 0.6,1,2
+
+Untimed (requests one after another, no queues): the real-engine family is
+``bench.kv_pressure --steady`` (docs/routing.md, "Steady state").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.steady_workloads import Request, Workload, sequence
+from middleware.types import (
+    KV_CAPACITY_TOKENS,
+    Api,
+    CycleState,
+    Endpoint,
+    EngineMetrics,
+    InferenceRequest,
+    RoutingDecision,
+)
+from plugins.placement import KvPlacementScorer
+from plugins.prefix_cache import PrefixCacheProducer
+from plugins.state import PREFIX_MATCH, SESSION_KEY, TOKEN_IDS, PrefixMatch
+
+SYSTEMS = ("kvgate", "kvgate-approx", "pin-index", "random", "least-loaded", "consistent-hash",
+           "cache-aware")
+BLOCK = 128
+
+
+class Engine:
+    """One LRU cache of block ids and the prefill it computed."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity = capacity_blocks
+        self.cache: OrderedDict[int, None] = OrderedDict()
+        self.prefill = 0
+
+    def held(self, blocks: Sequence[int], prompt: int) -> int:
+        n = 0
+        for h in blocks[: (prompt - 1) // BLOCK]:
+            if h not in self.cache:
+                break
+            n += 1
+        return n * BLOCK
+
+    def serve(self, req: Request) -> int:
+        hit = self.held(req.blocks, req.prompt)
+        self.prefill += req.prompt - hit
+        cache = self.cache
+        for h in req.after:
+            if h in cache:
+                cache.move_to_end(h)
+            else:
+                cache[h] = None
+                if len(cache) > self.capacity:
+                    cache.popitem(last=False)
+        return hit
+
+
+class Lookup:
+    def lookup(self, name: str) -> object:
+        raise KeyError(name)
+
+
+class Router:
+    """One system's routing state, kept across the whole sequence (a long-running router)."""
+
+    def __init__(self, system: str, engines: int, capacity_tokens: int, seed: int,
+                 params: dict[str, Any]) -> None:
+        self.system = system
+        self.n = engines
+        self.rng = random.Random(seed)
+        metrics = EngineMetrics(extra={KV_CAPACITY_TOKENS: float(capacity_tokens)})
+        self.eps = [Endpoint(id=f"e{i}", url=f"http://e{i}", kind="vllm", metrics=metrics)
+                    for i in range(engines)]
+        self.scorer: KvPlacementScorer | None = None
+        self.record: PrefixCacheProducer | None = None
+        self.clock = 0.0
+        #: Seconds of the workloads served before (the record's clock only moves forward).
+        self.base = 0.0
+        if system.startswith("kvgate"):
+            self.scorer = KvPlacementScorer(
+                "kv-placement-scorer", KvPlacementScorer.Params.model_validate(params),
+                Lookup())
+        if system == "kvgate-approx":
+            self.record = PrefixCacheProducer(
+                "prefix-cache-producer", PrefixCacheProducer.Params.model_validate(
+                    {"mode": "approximate"}), Lookup(), clock=lambda: self.clock)
+
+    def route(self, req: Request, fleet: list[Engine], headers: bool) -> int:
+        held = [e.held(req.blocks, req.prompt) for e in fleet]
+        if self.scorer is not None:
+            return self._placement(req, held, headers)
+        if self.system == "pin-index":
+            return req.index % self.n
+        if self.system == "random":
+            return self.rng.randrange(self.n)
+        if self.system == "consistent-hash":
+            return zlib.crc32(req.session.encode()) % self.n
+        least = min(range(self.n), key=lambda k: fleet[k].prefill)
+        if self.system == "cache-aware":
+            best = max(range(self.n), key=held.__getitem__)
+            return best if held[best] >= 0.5 * req.prompt else least
+        return least
+
+    def _placement(self, req: Request, held: list[int], headers: bool) -> int:
+        assert self.scorer is not None
+        state = CycleState()
+        state.put(TOKEN_IDS, req.tokens)
+        if self.record is None:  # precise: what the engines hold, as their KV events say
+            state.put(PREFIX_MATCH, PrefixMatch(
+                req.prompt, {ep.id: h for ep, h in zip(self.eps, held, strict=True)}, {}, True))
+        if headers:
+            state.put(SESSION_KEY, req.session.split("-sub")[0])
+        ireq = InferenceRequest(
+            request_id=req.session, api=Api.CHAT, model="m", body={"max_tokens": req.reply},
+            headers={}, stream=False, client_wants_usage=False,
+            prompt_token_estimate=req.prompt, received_at=0.0)
+        if self.record is not None:
+            self.clock = self.base + req.at
+            asyncio.run(self.record.prepare(ireq, state, self.eps))
+        scores = self.scorer.score(ireq, state, self.eps)
+        top = max(scores.values())
+        target = self.rng.choice([k for k, ep in enumerate(self.eps) if scores[ep.id] == top])
+        decision = RoutingDecision(target=self.eps[target])
+        asyncio.run(self.scorer.before_dispatch(ireq, state, decision))
+        if self.record is not None:
+            asyncio.run(self.record.before_dispatch(ireq, state, decision))
+        return target
+
+
+def ideal(wl: Workload, seen: set[int]) -> int:
+    """Cached tokens of one unbounded cache that has seen everything before (``seen`` grows)."""
+    total = 0
+    for r in wl.requests:
+        n = 0
+        for h in r.blocks[: (r.prompt - 1) // BLOCK]:
+            if h not in seen:
+                break
+            n += 1
+        total += n * BLOCK
+        seen.update(r.after)
+    return total
+
+
+def capacity_blocks(wls: Sequence[Workload], engines: int, ratio: float) -> int:
+    """``ratio`` x the partitioned working set per engine (the median workload's: its shared
+    prefix once plus its share of the concurrent sessions' own tokens)."""
+    per_engine = []
+    for wl in wls:
+        last: dict[str, int] = {}
+        for r in wl.requests:
+            last[r.session] = r.prompt + r.reply - wl.shared_tokens
+        own = statistics.mean(last.values())
+        per_engine.append(wl.shared_tokens + own * wl.concurrent / engines)
+    return max(8, int(ratio * statistics.median(per_engine) / BLOCK))
+
+
+def run_cell(seed: int, engines: int, ratio: float, workloads: int, systems: Sequence[str],
+             params: dict[str, Any]) -> dict[str, Any]:
+    wls = list(sequence(seed, workloads, BLOCK))
+    cap = capacity_blocks(wls, engines, ratio)
+    seen: set[int] = set()
+    ideals = [ideal(wl, seen) for wl in wls]
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for system in systems:
+        fleet = [Engine(cap) for _ in range(engines)]
+        router = Router(system, engines, cap * BLOCK, seed, params)
+        rows[system] = [_serve(wl, k, fleet, router, ideals[k]) for k, wl in enumerate(wls)]
+    return {"seed": seed, "engines": engines, "ratio": ratio, "capacity_blocks": cap,
+            "workloads": [{"concurrent": wl.concurrent, "sessions": wl.sessions,
+                           "shared": wl.shared_tokens, "requests": len(wl.requests),
+                           "headers": k % 2 == 0} for k, wl in enumerate(wls)],
+            "systems": rows}
+
+
+def _serve(wl: Workload, k: int, fleet: list[Engine], router: Router, ideal_tokens: int
+           ) -> dict[str, Any]:
+    headers = k % 2 == 0
+    hit = 0
+    per_engine = [0] * len(fleet)
+    for req in wl.requests:
+        target = router.route(req, fleet, headers)
+        per_engine[target] += 1
+        hit += fleet[target].serve(req)
+    router.base += wl.requests[-1].at + 10.0
+    return {"share": hit / ideal_tokens if ideal_tokens else 1.0,
+            "max_engine_share": max(per_engine) / max(1, sum(per_engine))}
+
+
+def summarize(cells: Sequence[dict[str, Any]], systems: Sequence[str]) -> dict[str, Any]:
+    """Per system, with and without headers: the mean and the worst workload (2nd on), and the
+    gates of issue 28 for kvgate (against pinning and random in the same workload)."""
+    out: dict[str, Any] = {}
+    for headers in (True, False):
+        for system in systems:
+            vals = [c["systems"][system][k]["share"] for c in cells
+                    for k in range(1, len(c["workloads"]))
+                    if c["workloads"][k]["headers"] is headers]
+            out[f"{system}/{'headers' if headers else 'no-headers'}"] = {
+                "mean": statistics.mean(vals), "worst": min(vals), "n": len(vals)}
+    out["gates"] = _gates(cells)
+    return out
+
+
+def _gates(cells: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    worst_pin = worst_random = 1.0
+    lopsided = 0.0
+    where: dict[str, Any] = {}
+    for c in cells:
+        for k in range(1, len(c["workloads"])):
+            kv = c["systems"]["kvgate"][k]
+            if c["workloads"][k]["headers"] and "pin-index" in c["systems"]:
+                m = kv["share"] - c["systems"]["pin-index"][k]["share"]
+                if m < worst_pin:
+                    worst_pin, where["pin"] = m, (c["seed"], c["engines"], c["ratio"], k)
+            if not c["workloads"][k]["headers"] and "random" in c["systems"]:
+                m = kv["share"] - c["systems"]["random"][k]["share"]
+                if m < worst_random:
+                    worst_random, where["random"] = m, (c["seed"], c["engines"], c["ratio"], k)
+            if c["engines"] == 2:
+                lopsided = max(lopsided, kv["max_engine_share"])
+    return {"worst_vs_pinning_with_headers": worst_pin, "worst_vs_random_without": worst_random,
+            "max_engine_share_two_engines": lopsided, "where": where}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.steady_sim", description=__doc__)
+    p.add_argument("--seeds", default="1,2,3")
+    p.add_argument("--engines", default="2,4,8")
+    p.add_argument("--ratios", default="0.6,1,2")
+    p.add_argument("--workloads", type=int, default=5)
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--params", default="{}", help="kv-placement-scorer params (JSON)")
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None, show: Callable[[str], None] = print
+         ) -> dict[str, Any]:
+    args = parse_args(argv)
+    systems = args.systems.split(",")
+    params = json.loads(args.params)
+    cells = []
+    for seed in (int(s) for s in args.seeds.split(",")):
+        for engines in (int(e) for e in args.engines.split(",")):
+            for ratio in (float(r) for r in args.ratios.split(",")):
+                cell = run_cell(seed, engines, ratio, args.workloads, systems, params)
+                cells.append(cell)
+                line = "  ".join(
+                    f"{s}=" + "/".join(f"{w['share']:.2f}" for w in cell["systems"][s][1:])
+                    for s in systems)
+                show(f"seed {seed} engines {engines} ratio {ratio}: {line}")
+    summary = summarize(cells, systems)
+    for key, row in summary.items():
+        if key != "gates":
+            show(f"{key:32s} mean {row['mean']:.3f}  worst {row['worst']:.3f}  (n={row['n']})")
+    show(f"gates: {json.dumps(summary['gates'])}")
+    doc = {"params": params, "cells": cells, "summary": summary}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"steady-sim-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(doc, indent=1))
+    show(f"wrote {path}")
+    return doc
+
+
+if __name__ == "__main__":
+    main()
