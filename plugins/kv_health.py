@@ -50,7 +50,7 @@ Policy = Literal["events", "precise", "auto", "approximate"]
 #: request dispatched moments earlier was expected to store, not computed yet when this one was
 #: admitted); the event-confirmed part was within a block. Such checks say nothing about the
 #: index and are kept out of the window that judges it.
-RESULTS = ("within_block", "over", "under", "speculative")
+RESULTS = ("within_block", "over", "under", "speculative", "evicted")
 
 
 class IndexState(enum.StrEnum):
@@ -245,19 +245,23 @@ class IndexHealth:
         self._set(engine, "inexact_tokens", why)
 
     def prediction(self, engine: str, predicted: int, reported: int, block_size: int,
-                   tokens_agree: bool, confirmed: int | None = None) -> str:
+                   tokens_agree: bool, confirmed: int | None = None,
+                   evicted: bool = False) -> str:
         """Record one predicted-vs-reported comparison; returns its result name (``confirmed``:
-        the part of ``predicted`` known from the engine's events; None: all of it)."""
+        the part of ``predicted`` known from the engine's events; None: all of it;
+        ``evicted``: the engine's events removed a block of the difference after dispatch)."""
         rec = self._engines.get(engine)
         diff = predicted - reported
         result = "within_block" if abs(diff) <= block_size else "over" if diff > 0 else "under"
         if (result == "over" and confirmed is not None and confirmed < predicted
                 and abs(confirmed - reported) <= block_size):
             result = "speculative"
+        elif result == "over" and evicted:
+            result = "evicted"  # the index was right when it routed: not judged (kv_removals)
         if rec is None:
             return result
         rec.results[result] += 1
-        if result == "speculative":
+        if result in ("speculative", "evicted"):
             return result
         rec.window.append(result == "within_block")
         rec.tokens_agree.append(tokens_agree)

@@ -63,6 +63,7 @@ from plugins.kv_holders import (
     tier_of,
 )
 from plugins.kv_recent import PackingError, RecentPrompts, pack_tokens
+from plugins.kv_removals import RemovalLog
 
 __all__ = [
     "DEVICE", "DEVICE_MEDIA", "LEARNED", "OTHER", "EngineHash", "ExtraKeys", "HashingError",
@@ -96,6 +97,8 @@ class KvIndex(HolderTable):
         super().__init__(capacity_blocks, holder_capacity_blocks, default_block_size)
         self.prefix_closed = prefix_closed
         self.recent = RecentPrompts(recent_prompt_bytes) if recent_prompt_bytes else None
+        #: Blocks the engines' events removed lately (evictions while a request is in flight).
+        self.removals = RemovalLog()
 
     # -- reading (sizes and holders: HolderTable) ----------------------------------------
     def match(
@@ -327,6 +330,7 @@ class KvIndex(HolderTable):
                 self.stats.unknown_removals += 1
                 continue
             found += 1
+            self.removals.removed(engine_of(holder_key), h)
             hold = holder.blocks[h]
             hold.tiers &= ~tier
             if not hold.tiers:
@@ -336,6 +340,7 @@ class KvIndex(HolderTable):
 
     def reset_engine(self, engine: str) -> int:
         """Reset every holder (all data-parallel ranks) of an engine (it left the pool)."""
+        self.removals.forget(engine)
         if self.recent is not None:
             for hid in self.holders():
                 if engine_of(hid) == engine:

@@ -107,6 +107,8 @@ class _Check:
     #: Of ``predicted``, the tokens the index knew without learning them from usage: what the
     #: health check judges (learnt entries route well but must not hide missing events).
     unlearned: int | None = None
+    #: The KV-event index's removal sequence at dispatch (evictions after it: in flight).
+    removals: int = 0
 
 
 _CHECK: StateKey[_Check] = StateKey("prefix-cache-check")
@@ -443,7 +445,7 @@ class PrefixCacheProducer(
             confirmed, unlearned = max(confirmed, shared), max(unlearned, shared)
             state.put(_CHECK, _Check(target, predicted, size, len(tokens), now,
                                      inexact is not None, min(confirmed, predicted),
-                                     min(unlearned, predicted)))
+                                     min(unlearned, predicted), self.events.removals.seq))
 
     def _speculate(self, req: InferenceRequest, state: CycleState, ep: Endpoint,
                    tokens: Sequence[int], now: float) -> None:
@@ -459,6 +461,16 @@ class PrefixCacheProducer(
                                block_size=size, group_idx=self.p.group_idx)
         self.events.remember(ep.id, tokens, hashes[size], block_size=size,
                              group_idx=self.p.group_idx)
+
+    def _evicted(self, state: CycleState, check: _Check, reported: int, judged: int) -> bool:
+        """Whether the engine removed, after the dispatch, a block the index predicted beyond
+        what the engine reported (an eviction while the request was in flight)."""
+        hashes = state.get(_EVENT_HASHES)
+        if self.events is None or hashes is None or judged <= reported:
+            return False
+        size = check.block_size
+        blocks = hashes.get(size, ())[reported // size:judged // size]
+        return self.events.removals.removed_after(check.target, blocks, check.removals)
 
     def _record(self, state: CycleState, ep: Endpoint, now: float) -> None:
         hashes = state.get(_RECORD_HASHES)
@@ -494,7 +506,8 @@ class PrefixCacheProducer(
         judged = predicted if check.unlearned is None else min(predicted, check.unlearned)
         self.states.prediction(target.id, judged, reported, size,
                                tokens_agree=check.prompt_tokens == usage.prompt_tokens,
-                               confirmed=min(check.confirmed, cap))
+                               confirmed=min(check.confirmed, cap),
+                               evicted=self._evicted(state, check, reported, judged))
         if check.prompt_tokens == usage.prompt_tokens:
             self._learn(state, target.id, reported, size)
 

@@ -235,3 +235,15 @@ def test_forgotten_engines_leave_health_and_metrics() -> None:
     assert health.engines() == ("e0",)
     assert health.state("e1") is None
     assert health.routing("e1") == "none"
+
+
+def test_in_flight_evictions_do_not_degrade_an_engine() -> None:
+    """``over`` predictions whose blocks the engine's events removed after the dispatch are
+    counted apart (``evicted``) and never judged: under KV pressure they are most of the
+    misses, and judging them made the state flap."""
+    health, _ = _health()
+    for _ in range(60):
+        assert health.prediction("e0", 160, 0, 16, True, evicted=True) == "evicted"
+    assert health.results("e0")["evicted"] == 60
+    assert health.state("e0") is not IndexState.DEGRADED
+    assert health.prediction("e0", 160, 160, 16, True, evicted=True) == "within_block"

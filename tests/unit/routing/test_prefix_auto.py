@@ -12,7 +12,16 @@ from plugins.kv_events import KvEventsSubscriber
 from plugins.kv_health import IndexState
 from plugins.prefix_cache import PrefixCacheProducer
 from plugins.state import PREFIX_MATCH, TOKEN_IDS, TOKEN_IDS_INEXACT, PrefixMatch
-from tests.unit.routing.helpers import Clock, Lookup, NoLookup, blocks, frames, request, stored
+from tests.unit.routing.helpers import (
+    Clock,
+    Lookup,
+    NoLookup,
+    blocks,
+    frames,
+    removed,
+    request,
+    stored,
+)
 
 BS = 16
 BIND = "tcp://127.0.0.1:5999"
@@ -265,3 +274,30 @@ async def test_speculation_lasts_past_the_end_of_a_long_request() -> None:
     clock.now += 2
     late = await _serve(producer, toks, "e1")
     assert "e0" not in dict(late.device)  # no event ever came: it lapses 2 s after the end
+
+
+@pytest.mark.parametrize(("removed_in_flight", "result"), [
+    ([3, 2], "evicted"),  # the engine evicted predicted blocks while the request was in flight
+    ([], "over"),  # nothing removed: the index itself was wrong
+])
+async def test_a_miss_on_blocks_evicted_in_flight_is_not_held_against_the_index(
+        removed_in_flight: list[int], result: str) -> None:
+    """Under KV pressure the engine may evict blocks between routing and admission; their
+    ``BlockRemoved`` arrives after the dispatch. Such an ``over`` is counted as ``evicted`` and
+    left out of the agreement window, so a pressured engine's index state does not flap."""
+    clock = Clock()
+    sub = _sub(clock)
+    producer = _producer(sub, clock, mode="precise", speculative_ttl_s=0)
+    toks = blocks(7, 3, BS)
+    sub.handle_frames(frames("kv@e0", 0, [stored([1, 2, 3], None, toks, BS)]))
+    state = CycleState()
+    state.put(TOKEN_IDS, (*toks, 1))
+    req = request(Api.COMPLETIONS)
+    await producer.prepare(req, state, EPS)
+    assert state.require(PREFIX_MATCH).device == {"e0": 3 * BS}
+    await producer.before_dispatch(req, state, RoutingDecision(target=EPS[0]))
+    if removed_in_flight:
+        sub.handle_frames(frames("kv@e0", 1, [removed([h]) for h in removed_in_flight]))
+    await producer.on_usage(req, state, EPS[0], Usage(len(toks) + 1, 1, BS))
+    assert sub.health_state.results("e0")[result] == 1
+    assert sum(sub.health_state.results("e0").values()) == 1
