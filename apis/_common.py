@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from middleware.errors import BadRequest, HTTPError, UpstreamHTTPError
+from middleware.errors import BadRequest, HTTPError
 from middleware.types import Usage
 from pricing.cost import TokenCounts
 
@@ -85,27 +85,13 @@ def sse(name: str | None, data: Mapping[str, Any]) -> bytes:
 
 
 def error_message(err: HTTPError) -> str:
-    """The message to show: the engine's own for an error it answered, else kvgate's."""
-    if not isinstance(err, UpstreamHTTPError):
-        return err.message
-    try:
-        body = orjson.loads(err.raw_body)
-    except orjson.JSONDecodeError:
-        text = err.raw_body.decode(errors="replace").strip()
-        return text or err.message
-    inner = body.get("error") if isinstance(body, dict) else None
-    if isinstance(inner, dict) and isinstance(inner.get("message"), str):
-        return str(inner["message"])
-    if isinstance(body, dict) and isinstance(body.get("message"), str):
-        return str(body["message"])
+    """The message to show (an engine's 4xx: its own, already cleaned, middleware/errors.py)."""
     return err.message
 
 
 def openai_error_body(err: HTTPError) -> bytes:
-    """``{"error": {"message", "type", "param", "code"}}`` (the engine's message when relayed)."""
-    body = err.body()
-    body["error"]["message"] = error_message(err)
-    return orjson.dumps(body)
+    """``{"error": {"message", "type", "param", "code"}}`` (an engine's 4xx: its message)."""
+    return orjson.dumps(err.body())
 
 
 __all__ = ["error_message", "estimate_tokens", "openai_error_body", "optional_bool",

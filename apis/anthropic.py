@@ -231,11 +231,9 @@ def anthropic_error(err: HTTPError) -> dict[str, Any]:
 
 
 class _AnthropicShape:
-    """What both Anthropic endpoints share: paths, errors."""
-
-    #: vLLM answers validation errors on the Messages routes in OpenAI's shape: the core
-    #: renders engine 4xx answers through :meth:`error_body` (Anthropic's, engine's message).
-    relay_engine_errors: ClassVar[bool] = False
+    """What both Anthropic endpoints share: paths, errors (an engine's 4xx too: vLLM answers
+    validation errors on the Messages routes in OpenAI's shape; :meth:`error_body` gives
+    Anthropic's, with the engine's status and message)."""
 
     def upstream_path(self, path: str) -> str:
         return path

@@ -30,11 +30,10 @@ What the core does with an adapter (middleware/gateway.py, middleware/dispatch.p
    successful dispatch.
 6. Every ``HTTPError`` raised after the adapter is known is rendered by
    :meth:`ApiAdapter.error_body`; a stream the engine breaks ends with
-   :meth:`ApiAdapter.stream_error`. Engine 4xx answers (:class:`UpstreamHTTPError`) are
-   relayed unchanged, unless the adapter says ``relay_engine_errors = False`` (its shape is
-   not the engine's, e.g. vLLM answers ``/v1/messages`` validation errors in OpenAI's
-   shape): then :meth:`ApiAdapter.error_body` renders them, keeping the status (and, by the
-   adapter's choice, the engine's message).
+   :meth:`ApiAdapter.stream_error`. Engine 4xx answers (:class:`UpstreamHTTPError`) too:
+   never the engine's bytes (its shape need not be the API's: vLLM answers ``/v1/messages``
+   validation errors in OpenAI's shape; its body may quote paths or a traceback), but its
+   status and its message, cleaned and capped (``err.message``, middleware/redact.py).
 
 **By-id routes.** A route whose path has an ``{id}`` segment (``GET /v1/responses/{id}``,
 ``POST /v1/responses/{id}/cancel``) is served without a body model: after authentication the
@@ -48,8 +47,7 @@ request hooks are not used for them.
 ``ApiAdapter.billed`` (default True; False: the billing plugin records nothing, e.g.
 tokenize), ``UsageTap.markers`` (default: every event is parsed) and ``UsageTap.sse_done``
 (default False; True: the stream ends with ``data: [DONE]``, and one without it broke; False:
-a stream is complete once the tap is ``final``), ``ApiAdapter.relay_engine_errors`` (default
-True: engine 4xx bodies are relayed as they are; False: rendered by ``error_body``).
+a stream is complete once the tap is ``final``).
 
 **Options.** An adapter class may declare ``Params``, a pydantic model (``extra="forbid"``) of
 its options: the config's ``apis.<name>`` section is validated against it at startup and the

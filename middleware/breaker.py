@@ -18,8 +18,10 @@ inference path hangs (a stuck scheduler, a full KV cache that never drains); onl
 proves the engine serves. Why one trial: a half-open engine that takes the whole load back at
 once would time out every request routed to it in the meantime.
 
-Engine answers that are the client's fault (4xx) and rate limits (429: the engine works, it is
-busy) are neither failures nor successes.
+Engine answers that are the client's fault (4xx) and load (408, 429: the engine works, it is
+busy) are neither failures nor successes. A failure is counted only once the request's retry
+has judged it (middleware/pool.py ``suspect``, ``settle``): a request that a second engine fails
+too is the request's fault, counted against neither (docs/security.md).
 """
 
 from __future__ import annotations

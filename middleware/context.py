@@ -85,6 +85,11 @@ class RequestContext:
     #: The server's notice of the client leaving (kvgate's own HTTP server gives one), else
     #: None: the dispatcher watches ``receive``.
     disconnect: DisconnectSource | None = None
+    #: An engine failure of this request whose breaker verdict waits for the retry (engine,
+    #: reason), and whether a second engine failed it too: then it is the request's fault
+    #: (middleware/pool.py ``suspect``, ``settle``).
+    suspect: tuple[str, str] | None = None
+    request_fault: bool = False
 
     @property
     def started(self) -> bool:

@@ -214,20 +214,23 @@ class Dispatcher:
         pinned = self._pinned(ctx, eps)
         excluded: set[str] = set()
         attempts = 1 + self.config.server.retries
-        for attempt in range(attempts):
-            with self.tracing.span("kvgate.route") as span:
-                decision = self._schedule(ctx, eps, excluded, profile, pinned)
-                routed(span, decision, ctx.state)
-            pinned, last = None, attempt == attempts - 1
-            try:
-                return await self._dispatch(ctx, decision, last)
-            except UpstreamError as err:
-                if last or not err.retryable:
-                    raise
-                excluded.add(decision.target.id)
-                self.metrics.retries.labels(decision.target.id).inc()
-                log.warning("request %s: retrying after %s", req.request_id, err.message)
-        raise AssertionError("unreachable")  # pragma: no cover
+        try:
+            for attempt in range(attempts):
+                with self.tracing.span("kvgate.route") as span:
+                    decision = self._schedule(ctx, eps, excluded, profile, pinned)
+                    routed(span, decision, ctx.state)
+                pinned, last = None, attempt == attempts - 1
+                try:
+                    return await self._dispatch(ctx, decision, last)
+                except UpstreamError as err:
+                    if last or not err.retryable:
+                        raise
+                    excluded.add(decision.target.id)
+                    self.metrics.retries.labels(decision.target.id).inc()
+                    log.warning("request %s: retrying after %s", req.request_id, err.message)
+            raise AssertionError("unreachable")  # pragma: no cover
+        finally:
+            self.pool.settle(ctx)  # an engine failure not judged by a retry counts now
 
     def _check_model(self, req: InferenceRequest, eps: Sequence[Endpoint]) -> None:
         if req.model in self.pool.models():
@@ -352,8 +355,9 @@ class Dispatcher:
     async def _hop(self, ctx: RequestContext, attempt: Attempt, body: dict[str, Any] | None,
                    rewriter: UsageRewriter | None) -> None:
         """One engine hop (:meth:`_send`) whose verdict feeds the engine's circuit breaker
-        (middleware/breaker.py): served, or failed by the engine's fault; a client that left
-        or an engine 4xx / 429 gives none."""
+        (middleware/breaker.py): served, or failed by the engine's fault (judged after the
+        retry: ``pool.suspect``); a client that left or an engine 4xx (408 and 429 included)
+        gives none."""
         target = attempt.target.id
         try:
             await self._send(ctx, attempt, body, rewriter)
@@ -361,7 +365,7 @@ class Dispatcher:
             if err.unreachable:
                 self.pool.report_failure(target, err.message)
             elif err.engine_fault:
-                self.pool.report_outcome(target, err.message)
+                self.pool.suspect(ctx, target, err.message)
             raise
         self.pool.report_outcome(target, attempt.broken)
 
@@ -379,6 +383,7 @@ class Dispatcher:
         if self.client is not None and supports(url):
             client = self.client
         resp = await open_request(client, url, self._body(ctx, body), headers, self.timeout)
+        self.pool.settle(ctx)  # this engine answers: an earlier one's failure was its own
         attempt.tap = adapter.new_tap(req.client_wants_usage)
         if not req.stream:
             await self._answer(ctx, attempt, resp, rewriter)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import difflib
+import json
 from collections.abc import Iterable
 from typing import Any
+
+from middleware.redact import client_message
 
 
 class KvgateError(Exception):
@@ -143,14 +146,45 @@ class UpstreamError(HTTPError):
             self.code = "upstream_timeout"
 
 
-class UpstreamHTTPError(HTTPError):
-    """The engine answered with an HTTP error status: relayed with the engine's own body."""
+#: OpenAI's error type of an engine's 4xx by status (others: ``invalid_request_error``).
+_ENGINE_4XX_TYPES = {401: "authentication_error", 403: "permission_error"}
 
-    def __init__(self, status: int, body: bytes, content_type: str) -> None:
-        super().__init__(f"engine answered {status}")
+
+class UpstreamHTTPError(HTTPError):
+    """The engine refused the request with a 4xx: the client's fault, never the engine's
+    (it does not count against the engine's circuit breaker, middleware/dispatch.py).
+
+    The client gets the engine's status and message in its API's own error shape (each
+    adapter's ``error_body``): ``message`` is the engine's, read from its body (OpenAI's or
+    Anthropic's error shape, a bare ``message`` or ``detail``, or plain text) and cleaned of
+    tracebacks, addresses and file paths, capped (middleware/redact.py ``client_message``);
+    the engine's string ``param`` and ``code`` are kept, its own ``type`` is not (vLLM's
+    ``BadRequestError`` is no OpenAI type): ``type`` follows the status."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        message, param, code = _engine_error(body)
+        super().__init__(client_message(message) or f"engine answered {status}", param=param,
+                         code=code)
         self.status = status
-        self.raw_body = body
-        self.content_type = content_type
+        self.type = _ENGINE_4XX_TYPES.get(status, "invalid_request_error")
+
+
+def _engine_error(body: bytes) -> tuple[str, str | None, str | None]:
+    """(message, param, code) of an engine's error body; the text itself if it is not JSON."""
+    try:
+        payload: Any = json.loads(body)
+    except ValueError:
+        return body.decode(errors="replace").strip(), None, None
+    if not isinstance(payload, dict):
+        return "", None, None
+    inner = payload.get("error")
+    fields: dict[str, Any] = inner if isinstance(inner, dict) else payload
+    message = fields.get("message", fields.get("detail"))
+    if not isinstance(message, str):
+        message = "" if message is None else json.dumps(message)
+    param, code = fields.get("param"), fields.get("code")
+    return (message, param if isinstance(param, str) else None,
+            code if isinstance(code, str) else None)
 
 
 def model_not_found(name: str, known: Iterable[str]) -> ModelNotFound:

@@ -34,7 +34,6 @@ from middleware.errors import (
     NoEndpointAvailable,
     NotFound,
     UpstreamError,
-    UpstreamHTTPError,
     internal_error,
 )
 from middleware.loopback import loopback_context
@@ -180,16 +179,11 @@ class Gateway:
                 log.exception("request %s: request-end hook failed", req.request_id)
 
     async def send_error(self, ctx: RequestContext, err: HTTPError) -> None:
-        """The one place an API request's error becomes a response: the adapter's shape;
-        an engine's own 4xx answer relayed unchanged, unless the adapter's shape is not the
-        engine's (``relay_engine_errors = False``: rendered by ``error_body``)."""
+        """The one place an API request's error becomes a response, in the adapter's shape;
+        an engine's 4xx too (:class:`UpstreamHTTPError`: its status and cleaned message, never
+        its bytes: docs/security.md, "Client faults and the breaker")."""
         if ctx.started:
             log.error("error after the response started (%s): %s", ctx.request_id, err.message)
-            return
-        if isinstance(err, UpstreamHTTPError) and getattr(ctx.adapter, "relay_engine_errors",
-                                                          True):
-            headers = [(b"content-type", err.content_type.encode()), *ctx.response_headers]
-            await send_bytes(ctx.send, err.status, err.raw_body, headers)
             return
         headers = [(b"content-type", b"application/json"), *ctx.response_headers,
                    *((k.encode(), v.encode()) for k, v in err.headers.items())]
@@ -231,8 +225,8 @@ class Gateway:
             if t:
                 timer.observe(hook, "on_request", t)
         state_id = ctx.parsed.requires_state
-        if state_id is not None and self.pipeline.deferrals:  # refused before it is queued
-            await self.states.fetch(state_id, req.tenant)
+        if state_id is not None and req.tenant is not None and self.pipeline.deferrals:
+            await self.states.fetch(state_id, req.tenant)  # refused before it is queued
             self.states.owned(state_id, req.tenant, "previous_response_id")
         for deferral in self.pipeline.deferrals:
             deferred = await deferral.defer(req, ctx.adapter.name, ctx.path)

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -25,6 +25,9 @@ from middleware.errors import ConfigError
 from middleware.plugin import EndpointSetListener
 from middleware.tasks import cancel_and_wait
 from middleware.types import Endpoint, EndpointId, EngineMetrics
+
+if TYPE_CHECKING:
+    from middleware.context import RequestContext
 
 log = logging.getLogger("kvgate.pool")
 
@@ -171,6 +174,28 @@ class EndpointPool:
         moved = engine.breaker.on_failure()
         self._breaker_moved(engine, moved, f"{engine.breaker.threshold} request failures in a "
                             f"row, the last: {error}" if moved is BreakerState.OPEN else error)
+
+    def suspect(self, ctx: RequestContext, endpoint_id: EndpointId, reason: str) -> None:
+        """The request failed on the engine by what looks like the engine's fault (a 5xx, a
+        timeout, an answer broken before it began). The verdict waits for the request's retry
+        (:meth:`settle`): a request that fails so on a second engine as well is its own fault
+        (an input that makes every engine fail), and neither engine's breaker counts it, so one
+        client cannot take engines out of rotation for every tenant (docs/security.md)."""
+        if ctx.suspect is None and not ctx.request_fault:
+            ctx.suspect = (endpoint_id, reason)
+            return
+        first = ctx.suspect[0] if ctx.suspect is not None else "another engine"
+        ctx.suspect, ctx.request_fault = None, True
+        log.warning("request %s failed on %s and %s alike (%s): the request's fault, counted "
+                    "against neither engine's circuit breaker", ctx.request_id, first,
+                    endpoint_id, reason)
+
+    def settle(self, ctx: RequestContext) -> None:
+        """Count the failure :meth:`suspect` holds: another engine served the request, or it
+        was not tried on another (no other engine, no retry left, not retryable)."""
+        suspect, ctx.suspect = ctx.suspect, None
+        if suspect is not None:
+            self.report_outcome(*suspect)
 
     def changed(self, engine: _Engine) -> None:
         """Something scheduling sees of ``engine`` changed: its next snapshot is rebuilt."""

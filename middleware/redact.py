@@ -10,8 +10,9 @@ network behind the gateway). :func:`public_view` returns a JSON-like value with
 * every string scrubbed of addresses: URLs (``scheme://...``), IPv4 addresses (with an optional
   port), bracketed IPv6 addresses and ``host:port`` pairs become ``<address>``.
 
-An admin principal gets the full view (middleware/app.py). Pure functions; regexes compiled once
-at import (constants, no work beyond that).
+An admin principal gets the full view (middleware/app.py). :func:`client_message` does the same
+for an engine's error message before a client sees it (middleware/errors.py). Pure functions;
+regexes compiled once at import (constants, no work beyond that).
 """
 
 from __future__ import annotations
@@ -38,6 +39,30 @@ def scrub(text: str) -> str:
     return _ADDRESS.sub(PLACEHOLDER, text)
 
 
+#: The longest engine error message a client sees [characters]. vLLM's own messages (a context
+#: length error ~250, a validation error listing a few fields ~600) stay whole; an echoed
+#: prompt or a dump does not.
+MAX_MESSAGE_CHARS = 1024
+_TRACEBACK = "Traceback (most recent call last)"
+#: Absolute file paths of two segments or more (``/opt/vllm/engine.py``, ``/models/llama``).
+_PATH = re.compile(r"(?<![\w.:/-])/(?:[\w.@+-]+/)+[\w.@+-]*")
+_PATH_PLACEHOLDER = "<path>"
+
+
+def client_message(text: str) -> str:
+    """An engine's error message as a client may see it: without a traceback (the exception
+    line that ends one is kept when nothing came before it), addresses (:func:`scrub`) or file
+    paths, at most :data:`MAX_MESSAGE_CHARS` characters."""
+    head, marker, tail = text.partition(_TRACEBACK)
+    if marker:
+        lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+        text = head.strip() or (lines[-1] if lines else "")
+    text = _PATH.sub(_PATH_PLACEHOLDER, scrub(text)).strip()
+    if len(text) > MAX_MESSAGE_CHARS:
+        text = text[:MAX_MESSAGE_CHARS - 1] + "…"
+    return text
+
+
 def public_view(value: object) -> object:
     """``value`` (JSON-like: mappings, lists, scalars) without hidden keys or addresses."""
     if isinstance(value, str):
@@ -49,4 +74,4 @@ def public_view(value: object) -> object:
     return value
 
 
-__all__ = ["HIDDEN_KEYS", "public_view", "scrub"]
+__all__ = ["HIDDEN_KEYS", "MAX_MESSAGE_CHARS", "client_message", "public_view", "scrub"]

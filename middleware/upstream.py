@@ -1,8 +1,10 @@
 """Talking to one engine: open a request, classify failures, relay JSON or SSE.
 
 Failures before the first byte raise :class:`UpstreamError` (``retryable`` says whether another
-engine may be tried); engine 4xx answers raise :class:`UpstreamHTTPError` carrying the engine's
-own body, which the client gets unchanged.
+engine may be tried); engine 4xx answers raise :class:`UpstreamHTTPError` (the client's fault:
+its status and the engine's cleaned message, rendered in the API's shape), except 408 and 429:
+the engine's load (it timed the request out in its queue, or is at its limit), retried on
+another engine and, like a client's fault, never counted against the engine's breaker.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from middleware.h1client import H1Client, H1Response
 from middleware.redact import scrub
 from middleware.sse import EventRelay, EventTooLarge
 
+#: Engine 4xx answers that mean load, not a bad request, and the status the client gets when no
+#: other engine takes the request: 408 (the engine timed it out waiting) as a gateway timeout,
+#: 429 (at its limit) as 502, as before.
+ENGINE_LOAD = {408: 504, 429: 502}
 #: The engine hop's HTTP client (the lean one for ``http://`` engines) and its response.
 Client = aiohttp.ClientSession | H1Client
 Response = aiohttp.ClientResponse | H1Response
@@ -53,11 +59,12 @@ async def open_request(
         payload = b""
     finally:
         resp.release()
-    if resp.status >= 500 or resp.status == 429:
-        raise UpstreamError(f"engine answered {resp.status}", retryable=True,
-                            engine_fault=resp.status != 429)
-    content_type = resp.headers.get("content-type", "application/json")
-    raise UpstreamHTTPError(resp.status, payload, content_type)
+    if resp.status >= 500:
+        raise UpstreamError(f"engine answered {resp.status}", retryable=True)
+    if resp.status in ENGINE_LOAD:  # busy, not broken: another engine may take it
+        raise UpstreamError(f"engine answered {resp.status}", status=ENGINE_LOAD[resp.status],
+                            retryable=True, engine_fault=False)
+    raise UpstreamHTTPError(resp.status, payload)
 
 
 async def read_answer(resp: Response, attempt: Attempt | None) -> bytes:

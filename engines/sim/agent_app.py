@@ -65,13 +65,13 @@ class AgentApi:
 
     # ---- shared -----------------------------------------------------------------------------
 
-    async def _faults(self) -> None:
+    async def _faults(self, request: Request) -> None:
         faults = self.api.h.faults
         if faults.delay_first_byte_s > 0:
             await asyncio.sleep(faults.delay_first_byte_s)
-        status = faults.take_failure()
+        status = faults.take_failure(await request.body() if faults.match else b"")
         if status is not None:
-            raise ApiError(status, "simulated engine failure (fault injection)")
+            raise ApiError(status, faults.message)
 
     async def _submit(self, req: ParsedRequest, request_id: str) -> Run:
         try:
@@ -99,7 +99,7 @@ class AgentApi:
     async def messages(self, request: Request) -> Response:
         request_id, headers = self._ids(request)
         try:
-            await self._faults()
+            await self._faults(request)
             run = await self._submit(parse_messages(await read_body(request), self.config),
                                      request_id)
             shaper = MessagesShaper("chatcmpl-" + request_id, run.req.model,
@@ -150,7 +150,7 @@ class AgentApi:
     async def responses(self, request: Request) -> Response:
         request_id, headers = self._ids(request)
         try:
-            await self._faults()
+            await self._faults(request)
             rr = parse_responses(await read_body(request), self.config, self.store)
             run = await self._submit(rr.req, request_id)
             shaper = ResponsesShaper(rr, new_response_id(rr.body), int(time.time()),

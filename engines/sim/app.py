@@ -142,9 +142,9 @@ class SimApi:
         faults = self.h.faults
         if faults.delay_first_byte_s > 0:
             await asyncio.sleep(faults.delay_first_byte_s)
-        status = faults.take_failure()
+        status = faults.take_failure(await request.body() if faults.match else b"")
         if status is not None:
-            return _error(ApiError(status, "simulated engine failure (fault injection)"), headers)
+            return _error(ApiError(status, faults.message), headers)
         try:
             req = parse_request(api, await _read_json(request), self.config)
             handle, transfer = await self.execute(req, request_id)

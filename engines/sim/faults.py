@@ -5,7 +5,10 @@ current value); ``DELETE`` clears everything. Faults apply to inference requests
 (``/v1/chat/completions``, ``/v1/completions``) only:
 
 * ``fail_next`` N with ``status`` S (default 503): the next N requests answer S at once with an
-  OpenAI error body, before reaching the engine;
+  error body (OpenAI's shape; Anthropic's on ``/v1/messages``) whose message is ``message``
+  (default ``simulated engine failure (fault injection)``), before reaching the engine; with
+  ``match`` T, only requests whose raw body contains the text T fail (and count): an input
+  that makes the engine fail, while other requests are served;
 * ``drop_after_chunks`` N (with ``drop_streams`` K, default 1): the next K streaming requests
   send N SSE events, then the connection is cut without ``data: [DONE]`` (an engine dying
   mid-stream; the request is aborted in the engine);
@@ -33,6 +36,12 @@ class FaultSpec(BaseModel):
     drop_streams: int | None = Field(default=None, ge=0)
     delay_first_byte_s: float | None = Field(default=None, ge=0, le=3600)
     health: bool | None = None
+    message: str | None = Field(default=None, min_length=1)
+    match: str | None = Field(default=None, min_length=1)
+
+
+#: The failure's message unless ``message`` says otherwise.
+DEFAULT_MESSAGE = "simulated engine failure (fault injection)"
 
 
 @dataclass(slots=True)
@@ -45,6 +54,8 @@ class FaultState:
     drop_streams: int = 0
     delay_first_byte_s: float = 0.0
     health: bool = True
+    message: str = DEFAULT_MESSAGE
+    match: str | None = None
 
     def apply(self, spec: FaultSpec) -> None:
         """Set what ``spec`` names. ``drop_after_chunks`` alone arms one stream."""
@@ -61,6 +72,10 @@ class FaultState:
             self.delay_first_byte_s = spec.delay_first_byte_s
         if spec.health is not None:
             self.health = spec.health
+        if spec.message is not None:
+            self.message = spec.message
+        if spec.match is not None:
+            self.match = spec.match
 
     def clear(self) -> None:
         self.fail_next = 0
@@ -69,10 +84,13 @@ class FaultState:
         self.drop_streams = 0
         self.delay_first_byte_s = 0.0
         self.health = True
+        self.message = DEFAULT_MESSAGE
+        self.match = None
 
-    def take_failure(self) -> int | None:
-        """The status to fail this request with, consuming one ``fail_next``; else None."""
-        if self.fail_next <= 0:
+    def take_failure(self, body: bytes = b"") -> int | None:
+        """The status to fail this request (raw ``body``) with, consuming one ``fail_next``;
+        else None (none left, or ``match`` is not in ``body``)."""
+        if self.fail_next <= 0 or (self.match is not None and self.match.encode() not in body):
             return None
         self.fail_next -= 1
         return self.status
@@ -92,4 +110,6 @@ class FaultState:
             "drop_streams": self.drop_streams,
             "delay_first_byte_s": self.delay_first_byte_s,
             "health": self.health,
+            "message": self.message,
+            "match": self.match,
         }

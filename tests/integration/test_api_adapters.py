@@ -234,8 +234,10 @@ ENGINE_4XX: list[tuple[str, str, dict[str, Any], int, str, str]] = [
      "BadRequestError", "cannot be greater than max_model_len"),
     ("count_tokens tool_choice type", "/v1/messages/count_tokens", {"tool_choice": "auto"},
      400, "BadRequestError", "body.tool_choice"),
-    ("chat temperature type", "/v1/chat/completions", {"temperature": "hot"}, 400, "", ""),
-    ("responses temperature type", "/v1/responses", {"temperature": "hot"}, 400, "", ""),
+    ("chat temperature type", "/v1/chat/completions", {"temperature": "hot"}, 400, "",
+     "temperature must be a number"),
+    ("responses temperature type", "/v1/responses", {"temperature": "hot"}, 400, "",
+     "body.temperature"),
 ]
 _VALID: dict[str, dict[str, Any]] = {
     "/v1/messages": {"model": "sim-model", "max_tokens": 4,
@@ -253,9 +255,10 @@ async def test_engine_4xx_in_the_apis_shape(
     fleet: list[RunningSim], case: str, path: str, extra: dict[str, Any], status: int,
     exc: str, words: str,
 ) -> None:
-    """An engine's 4xx answer reaches an Anthropic client in Anthropic's shape (status and the
-    engine's message kept; the SDK raises the status's class); OpenAI-shaped APIs relay the
-    engine's bytes unchanged."""
+    """An engine's 4xx answer reaches the client in its API's shape, status and the engine's
+    message kept: Anthropic's (the SDK raises the status's class), or OpenAI's, whose ``type``
+    follows the status (vLLM's ``BadRequestError`` and integer ``code`` are no OpenAI values)
+    and whose ``param`` is the engine's."""
     import anthropic
 
     def engine_message(answer: dict[str, Any]) -> str:
@@ -270,10 +273,13 @@ async def test_engine_4xx_in_the_apis_shape(
         resp = await http.post(path, json=body)
         assert resp.status_code == status, resp.text
         assert resp.headers["x-request-id"]
-        if not exc:
-            assert resp.content == engine.content  # the engine's own body, relayed
-            return
         payload = resp.json()
+        if not exc:
+            inner = engine.json()["error"]
+            assert payload == {"error": {"message": inner["message"], "param": inner["param"],
+                                         "type": "invalid_request_error", "code": None}}
+            assert words in payload["error"]["message"]
+            return
         assert payload["type"] == "error" and set(payload) == {"type", "error"}
         assert payload["error"]["type"] == "invalid_request_error"
         assert words in payload["error"]["message"]

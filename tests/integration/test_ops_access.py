@@ -147,7 +147,7 @@ def test_serve_admin_port_flag_with_keys(tmp_path: Path) -> None:
     api, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
     with running_process(sim, f"http://127.0.0.1:{sim_port}/health"), \
             running_process(serve, f"{admin}/health", log=tmp_path / "kvgate.log",
-                            cwd=tmp_path):
+                            cwd=tmp_path, limit_s=60):  # a loaded machine starts slowly
         chat = httpx.post(f"{api}/v1/chat/completions", json=CHAT, headers=keys.auth("user"))
         assert chat.status_code == 200, chat.text
         deadline = time.monotonic() + 10  # billing counts once the dispatch has completed

@@ -253,7 +253,7 @@ def test_error_body_as_the_sdk_parses_it(err: Any, cls: type[Exception], kind: s
 def test_error_body_of_an_engine_error_keeps_the_engine_message() -> None:
     engine = json.dumps({"type": "error", "error": {"type": "BadRequestError",
                                                     "message": "prompt too long"}}).encode()
-    err = UpstreamHTTPError(400, engine, "application/json")
+    err = UpstreamHTTPError(400, engine)
     assert json.loads(CountTokensAdapter().error_body(err)) == {
         "type": "error", "error": {"type": "invalid_request_error",
                                    "message": "prompt too long"}}

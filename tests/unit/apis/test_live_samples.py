@@ -49,7 +49,6 @@ def test_engine_validation_error_is_openai_shaped_and_rendered_anthropic() -> No
     adapter it becomes Anthropic's, with the engine's message."""
     body = raw("live_vllm_messages_validation_error.json")
     assert set(json.loads(body)) == {"error"}
-    out = json.loads(MessagesAdapter().error_body(UpstreamHTTPError(400, body,
-                                                                    "application/json")))
+    out = json.loads(MessagesAdapter().error_body(UpstreamHTTPError(400, body)))
     assert out["type"] == "error" and out["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in out["error"]["message"]
