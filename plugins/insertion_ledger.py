@@ -6,6 +6,7 @@ rather than by wall time. Bounded: one (value, fleet counter) pair per engine, d
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
 from middleware.types import EndpointId
@@ -68,4 +69,45 @@ class InsertionLedger:
         return len(restored)
 
 
-__all__ = ["InsertionLedger"]
+class SessionInsertions:
+    """Per session, its own recent insertions into the engine it was last placed on, decayed
+    like the ledger (by fleet insertions), so that the placement can leave them out of that
+    engine's pressure when it scores the session's next turn: a session alone on an engine
+    turns that cache over with its own growth, which evicts nothing it will want back, and
+    counting it made sessions hop to idle engines (each hop a full recompute; bench.steady_sim,
+    docs/routing.md "Steady state"). Bounded: ``max_sessions`` entries, least recent first out.
+    """
+
+    def __init__(self, max_sessions: int) -> None:
+        self.max_sessions = max_sessions
+        self._entries: OrderedDict[str, tuple[EndpointId, float, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, session: str, engine: EndpointId, tokens: float, total: float,
+            half_life: float) -> None:
+        """``tokens`` inserted for ``session`` into ``engine``; ``total``: the ledger's fleet
+        counter after them. A session that moved starts afresh on its new engine."""
+        old = self._entries.pop(session, None)
+        value = tokens
+        if old is not None and old[0] == engine:
+            value += old[1] * math.exp2(-(total - old[2]) / half_life)
+        self._entries[session] = (engine, value, total)
+        while len(self._entries) > self.max_sessions:
+            self._entries.popitem(last=False)
+
+    def pressure(self, session: str | None, engine: EndpointId, total: float, half_life: float,
+                 capacity: int) -> float:
+        """The session's own decayed insertions into ``engine`` per token of its capacity."""
+        entry = None if session is None else self._entries.get(session)
+        if entry is None or entry[0] != engine:
+            return 0.0
+        return entry[1] * math.exp2(-(total - entry[2]) / half_life) / capacity
+
+    def forget_engine(self, engine: EndpointId) -> None:
+        for session in [s for s, entry in self._entries.items() if entry[0] == engine]:
+            del self._entries[session]
+
+
+__all__ = ["InsertionLedger", "SessionInsertions"]

@@ -35,6 +35,9 @@ and gives the engine with the lowest ``J`` score 1, the others ``1 - (J - J_min)
   ("sticky") until that engine turns over ``1 + unique prefix / new tokens`` times faster than
   another, or its queue outweighs the prefix ("until saturated"). A session whose prefix was
   evicted has nothing to stick to and is placed like cold work.
+* A session's own recent insertions into its engine (with a session key) are left out of that
+  engine's pressure when its next turn is scored: its own growth evicts nothing it wants back,
+  and counting it made sessions hop to idle engines (plugins/insertion_ledger.py).
 * Recent insertions decay by the fleet's own insertions, not by wall time: half of the weight
   is gone after the fleet inserted ``half_life_caches`` x its total capacity. What was inserted
   a fleet-turnover ago has mostly been evicted, and an idle fleet (which evicts nothing) keeps
@@ -92,7 +95,7 @@ from middleware.types import (
     RoutingDecision,
     StateKey,
 )
-from plugins.insertion_ledger import InsertionLedger
+from plugins.insertion_ledger import InsertionLedger, SessionInsertions
 from plugins.shared_load import CounterShare
 from plugins.state import PREFIX_MATCH, SESSION_KEY, SESSION_PIN, PrefixMatch
 from plugins.token_load import (
@@ -205,6 +208,8 @@ class KvPlacementScorer(
                 raise ConfigError(f"{params.load!r} is not a token-load-scorer")
             self.load = found
         self.ledger = InsertionLedger()
+        #: Each session's own recent insertions at its engine (not a threat to itself).
+        self._own = SessionInsertions(params.max_sessions)
         self.stats = PlacementStats()
         #: Tokens this replica charged per engine since start (shared with the other replicas)
         self._inserted: dict[EndpointId, float] = {}
@@ -288,9 +293,12 @@ class KvPlacementScorer(
         match = state.get(PREFIX_MATCH)
         held = _held(eps, float(prompt), match, p.other_tier_weight)
         pressure = self._pressures(held, half_life, p.pressure_floor)
-        slowest = min(pressure.values())
         session = state.get(SESSION_KEY)
         pinned = state.get(SESSION_PIN) or self._pin_of(session)
+        if pinned is not None and pinned in pressure:
+            pressure[pinned] -= self._own.pressure(session, pinned, self.ledger.total, half_life,
+                                                   self._capacity[pinned])
+        slowest = min(pressure.values())
         hint = self._hints.get(session) if session is not None else None
         if hint is not None and hint[0] in held:
             held[hint[0]] = max(held[hint[0]], float(min(prompt, hint[1])))
@@ -348,6 +356,7 @@ class KvPlacementScorer(
             if self._hints.pop(session, None) is not None:
                 self.stats.hints_used += 1
             self._pin(session, target, prompt)
+            self._own.add(session, target, inserted[target], self.ledger.total, half_life)
 
     def add_remote(self, inserted: Mapping[EndpointId, float]) -> None:
         """The other replicas' insertions since the last exchange (shared through Redis by the
@@ -416,6 +425,7 @@ class KvPlacementScorer(
     ) -> None:
         for ep in removed:
             self.ledger.forget(ep.id)
+            self._own.forget_engine(ep.id)
             self._capacity.pop(ep.id, None)
             self._metrics_read.pop(ep.id, None)
             self._inserted.pop(ep.id, None)

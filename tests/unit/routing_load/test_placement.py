@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from middleware.types import CycleState, Endpoint, EngineMetrics, RoutingDecision
-from plugins.insertion_ledger import InsertionLedger
+from plugins.insertion_ledger import InsertionLedger, SessionInsertions
 from plugins.placement import PLACEMENT, KvPlacementScorer
 from plugins.state import PREFIX_MATCH, SESSION_KEY, TOKEN_IDS, PrefixMatch
 from tests.unit.routing_load.helpers import Lookup, ep, load_scorer, req
@@ -293,3 +293,49 @@ def test_default_tier_weight_is_the_derived_shared_tier_credit() -> None:
     from plugins.shared_tier import TierLink
 
     assert KvPlacementScorer.Params().other_tier_weight == round(TierLink().credit, 2)
+
+
+# (case, session's own turns at e0 [tokens each], other traffic at e0, expected engine)
+OWN_GROWTH = [
+    ("a session alone on its engine is not pushed to an idle one by its own growth",
+     [3000, 3000, 3000], 0, "e0"),
+    ("... but other sessions' insertions there still count", [3000], 20_000, "e1"),
+]
+
+
+@pytest.mark.parametrize(("case", "own", "others", "expected"), OWN_GROWTH,
+                         ids=[c[0] for c in OWN_GROWTH])
+def test_a_sessions_own_insertions_do_not_push_it_off_its_engine(
+        case: str, own: list[int], others: int, expected: str) -> None:
+    s = scorer(pin_tokens=0)
+    eps = [ep("e0"), ep("e1")]
+    prompt = 0
+    for tokens in own:  # the session's turns, each inserting its growth at e0
+        prompt += tokens
+        state = state_for(prompt, {"e0": prompt - tokens, "e1": 0}, session="s")
+        _run(s.before_dispatch(req(body={"max_tokens": 0}), state,
+                               RoutingDecision(target=eps[0])))
+    if others:
+        _run(s.before_dispatch(req(body={"max_tokens": 0}), state_for(others, {}),
+                               RoutingDecision(target=eps[0])))
+    # the next turn adds 800: staying inserts 800 where the session's own 9,000 were inserted
+    # (19x the idle engine's turnover if they counted: 15,200 against moving's 9,800)
+    nxt = state_for(prompt + 800, {"e0": prompt, "e1": 0}, session="s")
+    assert best(s, nxt, eps) == expected
+    # the same turn without its session: the growth is anyone's, and it moves
+    assert best(s, state_for(prompt + 800, {"e0": prompt, "e1": 0}), eps) == "e1"
+
+
+def test_session_insertions_decay_move_and_stay_bounded() -> None:
+    own = SessionInsertions(max_sessions=2)
+    own.add("a", "e0", 1000, total=1000, half_life=1000)
+    own.add("a", "e0", 1000, total=3000, half_life=1000)  # 2,000 later: two half-lives
+    assert own.pressure("a", "e0", 3000, 1000, 10_000) == pytest.approx((250 + 1000) / 10_000)
+    own.add("a", "e1", 500, total=3500, half_life=1000)  # moved: starts afresh
+    assert own.pressure("a", "e0", 3500, 1000, 10_000) == 0.0
+    assert own.pressure("a", "e1", 3500, 1000, 10_000) == pytest.approx(0.05)
+    own.add("b", "e0", 1, total=3501, half_life=1000)
+    own.add("c", "e0", 1, total=3502, half_life=1000)
+    assert len(own) == 2 and own.pressure("a", "e1", 3502, 1000, 10_000) == 0.0
+    own.forget_engine("e0")
+    assert len(own) == 0
