@@ -16,7 +16,7 @@ in prefill-token equivalents::
     miss(e)     = prompt - held(e)                          tokens e must compute and insert
     queue(e)    = in-flight work on e (token-load-scorer)   tokens computed before this one
     pressure(e) = recent insertions into e / capacity(e)    share of e's cache rewritten
-    turnover(e) = (pressure(e) + floor) / (min over candidates of pressure + floor)
+    turnover(e) = 1 + (pressure(e) - min over candidates of pressure) / floor
     J(e)        = miss(e) * turnover(e) ** pressure_exponent + load_weight * queue(e)
                   - pin_tokens  if e is the engine the request's session used last
 
@@ -144,9 +144,13 @@ class KvPlacementScorer(
     * ``pressure_exponent`` [1] — 1.0: the cost of an inserted token grows linearly with the
       engine's relative turnover, as the reuse odds of the block it displaces do under LRU (a
       block lives capacity / insertion rate). 0 disables the pressure term.
-    * ``pressure_floor`` [share of a cache] — 0.05, added to every pressure before taking the
-      ratio: a fleet that just started (pressures near 0) is not steered by a few blocks; in
-      steady state pressures are ~1.4 (half-life of one fleet capacity), far above it.
+    * ``pressure_floor`` [share of a cache] — 0.05: the *difference* of recent insertions
+      (per token of capacity) between an engine and the slowest-turning candidate that doubles
+      the cost of a token inserted there. A difference, not a ratio of pressures: in steady
+      state every engine's pressure carries ~1.4 caches of yesterday's insertions, and a ratio
+      against that baseline hid a new workload's imbalance until it had thrashed one engine
+      (issue 28: 65-94 % of a workload on one of two engines); on a fresh gateway (minimum 0)
+      both forms are the same, ``1 + p / 0.05``, the behaviour measured there.
     * ``half_life_caches`` [fleet capacities] — 1.0: an LRU cache keeps a block for about one
       turnover, so insertions older than one fleet turnover no longer occupy anything.
     * ``load_weight`` [cost tokens per in-flight token] — 0.02: a queued token delays this
@@ -292,7 +296,7 @@ class KvPlacementScorer(
         prompt = prompt_tokens(req, state)
         match = state.get(PREFIX_MATCH)
         held = _held(eps, float(prompt), match, p.other_tier_weight)
-        pressure = self._pressures(held, half_life, p.pressure_floor)
+        pressure = self._pressures(held, half_life)
         session = state.get(SESSION_KEY)
         pinned = state.get(SESSION_PIN) or self._pin_of(session)
         if pinned is not None and pinned in pressure:
@@ -304,9 +308,9 @@ class KvPlacementScorer(
             held[hint[0]] = max(held[hint[0]], float(min(prompt, hint[1])))
         queued = self.queue(eps)
         costs: dict[EndpointId, float] = {}
-        exponent, load_weight = p.pressure_exponent, p.load_weight
+        exponent, load_weight, floor = p.pressure_exponent, p.load_weight, p.pressure_floor
         for e, h in held.items():
-            turnover = pressure[e] / slowest
+            turnover = 1.0 + (pressure[e] - slowest) / floor
             if exponent != 1.0:  # the default 1.0: x ** 1.0 is x, one pow per engine saved
                 turnover **= exponent
             cost = (prompt - h) * turnover + load_weight * queued[e]

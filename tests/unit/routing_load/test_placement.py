@@ -48,9 +48,10 @@ CASES = [
      {"e0": 3000, "e1": 500}, 4000, {"e0": 2000, "e1": 2000}, "e1"),
     ("the first engine to cache a shared prompt does not attract new sessions",
      {"e0": 2500, "e1": 0}, 4000, {"e0": 2000, "e1": 0}, "e1"),
-    ("a session stays where its prefix lives while that cache turns over < 1 + held/new faster",
-     {"e0": 3000, "e1": 1000}, 6000, {"e0": 5000, "e1": 2000}, "e0"),
-    ("... and moves once its cache turns over faster than that (5.7x here, limit 4x)",
+    ("a session stays where its prefix lives while its cache's recent insertions exceed the "
+     "slowest's by < floor x held beyond / new (0.15 of a cache here)",
+     {"e0": 2000, "e1": 1000}, 6000, {"e0": 5000, "e1": 2000}, "e0"),
+    ("... and moves once they exceed it by more (0.7 of a cache here)",
      {"e0": 8000, "e1": 1000}, 6000, {"e0": 5000, "e1": 2000}, "e1"),
     ("no match data: pressure alone", {"e0": 100, "e1": 50}, 1000, None, "e1"),
 ]
