@@ -47,7 +47,7 @@ from middleware.types import (
 )
 from plugins.placement import KvPlacementScorer
 from plugins.prefix_cache import PrefixCacheProducer
-from plugins.state import PREFIX_MATCH, SESSION_KEY, TOKEN_IDS, PrefixMatch
+from plugins.state import PREFIX_MATCH, SESSION_KEY, SESSION_PIN, TOKEN_IDS, PrefixMatch
 
 SYSTEMS = ("kvgate", "kvgate-approx", "pin-index", "random", "least-loaded", "consistent-hash",
            "cache-aware")
@@ -90,33 +90,43 @@ class Lookup:
 
 
 class Router:
-    """One system's routing state, kept across the whole sequence (a long-running router)."""
+    """One system's routing state, kept across the whole sequence (a long-running router).
+
+    kvgate with ``replicas`` > 1: that many gateways behind a round-robin load balancer, each
+    with its own scorer (and record), sharing what ``--redis`` shares: every replica's
+    insertions reach the others' ledgers (token-load's counter exchange, here after every
+    request: the ideal of its 1 s rounds), the session table's pin (``SESSION_PIN``), and with
+    the record, every insertion (plugins/shared_record.py)."""
 
     def __init__(self, system: str, engines: int, capacity_tokens: int, seed: int,
-                 params: dict[str, Any]) -> None:
+                 params: dict[str, Any], replicas: int = 1) -> None:
         self.system = system
         self.n = engines
         self.rng = random.Random(seed)
         metrics = EngineMetrics(extra={KV_CAPACITY_TOKENS: float(capacity_tokens)})
         self.eps = [Endpoint(id=f"e{i}", url=f"http://e{i}", kind="vllm", metrics=metrics)
                     for i in range(engines)]
-        self.scorer: KvPlacementScorer | None = None
-        self.record: PrefixCacheProducer | None = None
+        self.scorers: list[KvPlacementScorer] = []
+        self.records: list[PrefixCacheProducer] = []
         self.clock = 0.0
         #: Seconds of the workloads served before (the record's clock only moves forward).
         self.base = 0.0
+        self.turn = 0
+        #: The shared session table (replicas > 1 only): session -> engine it went to last.
+        self.table: dict[str, str] | None = {} if replicas > 1 else None
         if system.startswith("kvgate"):
-            self.scorer = KvPlacementScorer(
+            self.scorers = [KvPlacementScorer(
                 "kv-placement-scorer", KvPlacementScorer.Params.model_validate(params),
-                Lookup())
+                Lookup()) for _ in range(replicas)]
         if system == "kvgate-approx":
-            self.record = PrefixCacheProducer(
+            self.records = [PrefixCacheProducer(
                 "prefix-cache-producer", PrefixCacheProducer.Params.model_validate(
                     {"mode": "approximate"}), Lookup(), clock=lambda: self.clock)
+                for _ in range(replicas)]
 
     def route(self, req: Request, fleet: list[Engine], headers: bool) -> int:
         held = [e.held(req.blocks, req.prompt) for e in fleet]
-        if self.scorer is not None:
+        if self.scorers:
             return self._placement(req, held, headers)
         if self.system == "pin-index":
             return req.index % self.n
@@ -130,30 +140,51 @@ class Router:
             return best if held[best] >= 0.5 * req.prompt else least
         return least
 
-    def _placement(self, req: Request, held: list[int], headers: bool) -> int:
-        assert self.scorer is not None
+    def _state(self, req: Request, held: list[int], headers: bool) -> CycleState:
         state = CycleState()
         state.put(TOKEN_IDS, req.tokens)
-        if self.record is None:  # precise: what the engines hold, as their KV events say
+        if not self.records:  # precise: what the engines hold, as their KV events say
             state.put(PREFIX_MATCH, PrefixMatch(
                 req.prompt, {ep.id: h for ep, h in zip(self.eps, held, strict=True)}, {}, True))
         if headers:
-            state.put(SESSION_KEY, req.session.split("-sub")[0])
+            session = req.session.split("-sub")[0]
+            state.put(SESSION_KEY, session)
+            pin = None if self.table is None else self.table.get(session)
+            if pin is not None:
+                state.put(SESSION_PIN, pin)
+        return state
+
+    def _placement(self, req: Request, held: list[int], headers: bool) -> int:
+        k = self.turn % len(self.scorers)
+        self.turn += 1
+        scorer = self.scorers[k]
+        state = self._state(req, held, headers)
         ireq = InferenceRequest(
             request_id=req.session, api=Api.CHAT, model="m", body={"max_tokens": req.reply},
             headers={}, stream=False, client_wants_usage=False,
             prompt_token_estimate=req.prompt, received_at=0.0)
-        if self.record is not None:
+        if self.records:
             self.clock = self.base + req.at
-            asyncio.run(self.record.prepare(ireq, state, self.eps))
-        scores = self.scorer.score(ireq, state, self.eps)
+            asyncio.run(self.records[k].prepare(ireq, state, self.eps))
+        scores = scorer.score(ireq, state, self.eps)
         top = max(scores.values())
-        target = self.rng.choice([k for k, ep in enumerate(self.eps) if scores[ep.id] == top])
+        target = self.rng.choice([i for i, ep in enumerate(self.eps) if scores[ep.id] == top])
         decision = RoutingDecision(target=self.eps[target])
-        asyncio.run(self.scorer.before_dispatch(ireq, state, decision))
-        if self.record is not None:
-            asyncio.run(self.record.before_dispatch(ireq, state, decision))
+        before = scorer.stats.inserted_tokens
+        asyncio.run(scorer.before_dispatch(ireq, state, decision))
+        self._share(k, state, ireq, decision, scorer.stats.inserted_tokens - before)
         return target
+
+    def _share(self, k: int, state: CycleState, ireq: InferenceRequest,
+               decision: RoutingDecision, inserted: int) -> None:
+        """What the replicas share through Redis: insertions, the session pin, the record."""
+        if self.table is not None and state.get(SESSION_KEY) is not None:
+            self.table[state.require(SESSION_KEY)] = decision.target.id
+        for i, other in enumerate(self.scorers):
+            if i != k:
+                other.add_remote({decision.target.id: float(inserted)})
+        for record in self.records:  # the router's own, and the others' through shared_record
+            asyncio.run(record.before_dispatch(ireq, state, decision))
 
 
 def ideal(wl: Workload, seen: set[int]) -> int:
@@ -184,7 +215,7 @@ def capacity_blocks(wls: Sequence[Workload], engines: int, ratio: float) -> int:
 
 
 def run_cell(seed: int, engines: int, ratio: float, workloads: int, systems: Sequence[str],
-             params: dict[str, Any]) -> dict[str, Any]:
+             params: dict[str, Any], replicas: int = 1) -> dict[str, Any]:
     wls = list(sequence(seed, workloads, BLOCK))
     cap = capacity_blocks(wls, engines, ratio)
     seen: set[int] = set()
@@ -192,7 +223,7 @@ def run_cell(seed: int, engines: int, ratio: float, workloads: int, systems: Seq
     rows: dict[str, list[dict[str, Any]]] = {}
     for system in systems:
         fleet = [Engine(cap) for _ in range(engines)]
-        router = Router(system, engines, cap * BLOCK, seed, params)
+        router = Router(system, engines, cap * BLOCK, seed, params, replicas)
         rows[system] = [_serve(wl, k, fleet, router, ideals[k]) for k, wl in enumerate(wls)]
     return {"seed": seed, "engines": engines, "ratio": ratio, "capacity_blocks": cap,
             "workloads": [{"concurrent": wl.concurrent, "sessions": wl.sessions,
@@ -259,6 +290,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--workloads", type=int, default=5)
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--params", default="{}", help="kv-placement-scorer params (JSON)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="kvgate replicas behind a round-robin balancer, sharing as --redis")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     return p.parse_args(argv)
 
@@ -272,7 +305,8 @@ def main(argv: Sequence[str] | None = None, show: Callable[[str], None] = print
     for seed in (int(s) for s in args.seeds.split(",")):
         for engines in (int(e) for e in args.engines.split(",")):
             for ratio in (float(r) for r in args.ratios.split(",")):
-                cell = run_cell(seed, engines, ratio, args.workloads, systems, params)
+                cell = run_cell(seed, engines, ratio, args.workloads, systems, params,
+                                args.replicas)
                 cells.append(cell)
                 line = "  ".join(
                     f"{s}=" + "/".join(f"{w['share']:.2f}" for w in cell["systems"][s][1:])
@@ -283,7 +317,7 @@ def main(argv: Sequence[str] | None = None, show: Callable[[str], None] = print
         if key != "gates":
             show(f"{key:32s} mean {row['mean']:.3f}  worst {row['worst']:.3f}  (n={row['n']})")
     show(f"gates: {json.dumps(summary['gates'])}")
-    doc = {"params": params, "cells": cells, "summary": summary}
+    doc = {"params": params, "replicas": args.replicas, "cells": cells, "summary": summary}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"steady-sim-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(doc, indent=1))
