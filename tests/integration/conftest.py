@@ -14,9 +14,12 @@ import pytest
 from engines.sim.config import SimConfig
 from engines.sim.testing import RunningSim, serve_sim
 from middleware.app import KvgateApp, create_app
+from middleware.cli import HTTP_FRONTS
 from middleware.config import parse_config
 from tests.servers import serve_asgi
 
+#: The HTTP/1.1 front end ``kvgate serve`` runs (middleware/h1server.py), for ``serve_gateway``.
+KVGATE_FRONT = HTTP_FRONTS["kvgate"]
 FAST_POOL = {"health_interval_s": 0.1, "metrics_interval_s": 0.1, "health_timeout_s": 1.0,
              "unhealthy_after": 1}
 DEFAULT_PROFILE: dict[str, Any] = {
@@ -76,3 +79,12 @@ async def serve_gateway(data: dict[str, Any], http: str = "httptools",
     app = create_app(parse_config(data, "test"))
     async with serve_asgi(app, http=http) as url:
         yield app, url
+
+
+@contextlib.asynccontextmanager
+async def served(data: dict[str, Any]) -> AsyncIterator[tuple[KvgateApp, httpx.AsyncClient]]:
+    """As :func:`gateway`, but over a loopback socket through the HTTP front end ``kvgate
+    serve`` runs (:data:`KVGATE_FRONT`) instead of ASGITransport."""
+    async with serve_gateway(data, KVGATE_FRONT) as (app, url), \
+            httpx.AsyncClient(base_url=url, timeout=30) as client:
+        yield app, client

@@ -3,7 +3,9 @@ generated bodies (valid ones mutated, arbitrary JSON, bytes that are not JSON), 
 paths, and SSE / JSON answers from a fake engine. Every answer must be kvgate's or the engine's,
 never a crash of kvgate's own code (500 ``internal_error``); every error in the API's own shape
 (OpenAI ``{"error": {...}}``, Anthropic ``{"type": "error", "error": {...}}``); every relayed
-stream ends with ``data: [DONE]`` or the API's error event; and the gateway keeps serving.
+stream ends with ``data: [DONE]`` or the API's error event; and the gateway keeps serving. The
+gateway is served on a loopback port by the HTTP front end ``kvgate serve`` runs
+(middleware/h1server.py), not uvicorn's protocol or ASGITransport.
 
 Seeded (``derandomize=True``) and small in the suite; ``KVGATE_FUZZ_EXAMPLES`` raises the count
 (``python -m bench.reliability --scenarios fuzz`` does)."""
@@ -27,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from plugins.auth import hash_key, new_key
-from tests.integration.conftest import gateway_config, serve_gateway, sim_fleet
+from tests.integration.conftest import KVGATE_FRONT, gateway_config, serve_gateway, sim_fleet
 from tests.servers import serve_asgi
 
 T = TypeVar("T")
@@ -115,7 +117,7 @@ def gw(loop: Loop) -> Served:
     async def start() -> Served:
         sims = await loop.stack.enter_async_context(sim_fleet(1))
         _, url = await loop.stack.enter_async_context(serve_gateway(gateway_config(
-            [sims[0].url], pool={"breaker_failures": 10**6})))
+            [sims[0].url], pool={"breaker_failures": 10**6}), KVGATE_FRONT))
         return Served(url, sims[0].url)
     return loop.run(start())
 
@@ -208,7 +210,7 @@ def keyed(loop: Loop, tmp_path_factory: pytest.TempPathFactory) -> tuple[Served,
         sims = await loop.stack.enter_async_context(sim_fleet(1))
         data = gateway_config([sims[0].url], pool={"breaker_failures": 10**6})
         data["plugins"] = [{"type": "api-keys", "params": {"file": str(path)}}, *data["plugins"]]
-        _, url = await loop.stack.enter_async_context(serve_gateway(data))
+        _, url = await loop.stack.enter_async_context(serve_gateway(data, KVGATE_FRONT))
         return Served(url, sims[0].url)
     return loop.run(start()), key
 
@@ -287,7 +289,7 @@ def faked(loop: Loop) -> tuple[str, Script]:
         engine = await loop.stack.enter_async_context(serve_asgi(fake_engine(script), "off"))
         data = gateway_config([engine], pool={"breaker_failures": 10**6})
         data["server"] = {"retries": 0}
-        _, url = await loop.stack.enter_async_context(serve_gateway(data))
+        _, url = await loop.stack.enter_async_context(serve_gateway(data, KVGATE_FRONT))
         return url
     return loop.run(start()), script
 

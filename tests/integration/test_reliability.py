@@ -2,7 +2,8 @@
 (timeouts, the circuit breaker opens, no request is sent until a probe passes, a trial closes
 it), an engine process killed mid-stream (its clients get the API's SSE error, the other engine
 takes the rest), readiness (``/health`` is 503 until a probe has confirmed an engine), and 200
-concurrent streams all complete with every lease released."""
+concurrent streams all complete with every lease released. The gateway is served on a loopback
+port by the HTTP front end ``kvgate serve`` runs (middleware/h1server.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,13 @@ from engines.ports import free_port
 from engines.sim.faults import FaultSpec
 from middleware import sse
 from middleware.asgi import Send
-from tests.integration.conftest import gateway, gateway_config, serve_gateway, sim_fleet
+from tests.integration.conftest import (
+    KVGATE_FRONT,
+    gateway_config,
+    serve_gateway,
+    served,
+    sim_fleet,
+)
 from tests.servers import serve_asgi, wait_ready
 
 CHAT = {"model": "sim-model", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
@@ -43,7 +50,7 @@ async def test_hanging_engine_times_out_opens_breaker_then_closes(
     async with sim_fleet(2) as sims:
         data = gateway_config([s.url for s in sims], picker="round-robin-picker",
                               pool=NO_PROBES, server={"request_timeout_s": 0.3})
-        async with gateway(data) as (app, client):
+        async with served(data) as (app, client):
             sims[0].faults.apply(FaultSpec(delay_first_byte_s=30))  # /health still answers
             for _ in range(3):  # times out on sim-0 (504), retried on sim-1
                 resp = await client.post("/v1/chat/completions", json=CHAT)
@@ -82,7 +89,7 @@ async def test_failed_trial_reopens_until_the_next_probe() -> None:
     async with sim_fleet(2) as sims:
         data = gateway_config([s.url for s in sims], picker="round-robin-picker",
                               pool=NO_PROBES, server={"request_timeout_s": 0.3})
-        async with gateway(data) as (app, client):
+        async with served(data) as (app, client):
             sims[0].faults.apply(FaultSpec(delay_first_byte_s=30))
             for _ in range(3):
                 await client.post("/v1/chat/completions", json=CHAT)
@@ -98,7 +105,7 @@ async def test_failed_trial_reopens_until_the_next_probe() -> None:
 async def test_not_ready_until_a_probe_confirms_an_engine() -> None:
     async with sim_fleet(1) as sims:
         data = gateway_config([sims[0].url], pool={**NO_PROBES, "startup_probe_timeout_s": 0})
-        async with gateway(data) as (app, client):
+        async with served(data) as (app, client):
             resp = await client.get("/health")
             assert resp.status_code == 503 and resp.json()["status"] == "starting"
             assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
@@ -143,7 +150,8 @@ async def test_engine_killed_mid_stream() -> None:
     total = 8
     with _sim_process("sim-0") as (victim, url0), _sim_process("sim-1") as (_, url1):
         data = gateway_config([url0, url1], picker="round-robin-picker")
-        async with serve_gateway(data) as (app, gw), aiohttp.ClientSession() as session:
+        async with serve_gateway(data, KVGATE_FRONT) as (app, gw), \
+                aiohttp.ClientSession() as session:
             started, counter = asyncio.Event(), [0]
             tasks = [asyncio.create_task(_stream(session, gw, started, counter, total))
                      for _ in range(total)]
@@ -168,7 +176,7 @@ async def test_200_concurrent_streams_all_complete() -> None:
     # the suite's small case of bench/reliability.py's 1,000 (docs/reliability.md)
     body = {**CHAT, "max_tokens": 16, "stream": True}
     async with sim_fleet(2) as sims, \
-            serve_gateway(gateway_config([s.url for s in sims])) as (app, gw), \
+            serve_gateway(gateway_config([s.url for s in sims]), KVGATE_FRONT) as (app, gw), \
             aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
 
         async def one() -> tuple[str, list[Any]]:
@@ -219,7 +227,7 @@ async def test_an_engine_event_that_never_ends_breaks_the_stream(
     async with serve_asgi(engine, "off") as url:
         data = gateway_config([url], pool={"startup_probe_timeout_s": 0})
         data["engines"][0]["models"] = ["sim-model"]
-        async with gateway(data) as (_, client):
+        async with served(data) as (_, client):
             resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
     assert resp.status_code == 200
     events = resp.content.rstrip(b"\n").split(b"\n\n")
@@ -243,7 +251,7 @@ async def test_an_engine_silent_mid_stream_breaks_it_and_counts_against_its_brea
         data = gateway_config([url], pool={"startup_probe_timeout_s": 0, "breaker_failures": 1},
                               server={"stream_idle_timeout_s": 0.3})
         data["engines"][0]["models"] = ["sim-model"]
-        async with gateway(data) as (_, client):
+        async with served(data) as (_, client):
             resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
             metrics = (await client.get("/metrics")).text
             health = await client.get("/health")
