@@ -31,7 +31,7 @@ from tests.integration.billing_helpers import (
     long_chat,
     write_keys,
 )
-from tests.integration.conftest import gateway, sim_fleet
+from tests.integration.conftest import gateway, served, sim_fleet
 from tests.pg_server import PgServer, pg_server
 
 ROLES = ("admin", "user")  # tenants acme and globex
@@ -153,8 +153,8 @@ async def test_spool_carries_records_across_a_database_outage(tmp_path: Path,
     keys = write_keys(tmp_path)
     url = pg.fresh_db("outage")
     async with sim_fleet(1) as sims, \
-            gateway(billing_config([sims[0].url], tmp_path, keys, ledger=url)) \
-            as (app, client):
+            served(billing_config([sims[0].url], tmp_path, keys, ledger=url)) \
+            as (app, client):  # through the HTTP front end kvgate serve runs
         ledger = billing_of(app).ledger
         assert ledger is not None
         await _traffic(client, keys, seed=1, n=5)
