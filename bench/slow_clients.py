@@ -5,8 +5,9 @@
 head deadline. Meanwhile ``--concurrency`` (4) clients send normal chat requests (keep-alive,
 one simulated engine at ``--time-scale`` 0, so the latency is the gateway's). The run measures
 the normal requests' latency for ``--baseline-s`` (10 s) without the attack, then while the
-attack lasts (until every attacker is closed), and for each attacker when and how the server
-closed it: a 408 at ``server.head_timeout_s`` (default 10 s) after its first byte.
+attack lasts (until every attacker is closed), then ``--baseline-s`` again without it (the
+ratios compare the attack with both), and for each attacker when and how the server closed
+it: a 408 at ``server.head_timeout_s`` (default 10 s) after its first byte.
 
 Writes ``bench/results/slow-clients-<timestamp>.json``. Run it under the machine-wide lock:
 ``flock /tmp/kvgate-heavy.lock nice -n 10 .venv/bin/python -m bench.slow_clients``.
@@ -125,13 +126,19 @@ async def _run(opts: argparse.Namespace, logs: Path) -> dict[str, Any]:
     with sims(1, logs, opts.time_scale) as fleet, \
             gateway(["--engine", fleet[0][1]], logs) as (_, url):
         port = int(url.rsplit(":", 1)[1])
-        base = await attack_while_serving(port, 0, opts.baseline_s, opts.concurrency)
+        before = await attack_while_serving(port, 0, opts.baseline_s, opts.concurrency)
         attack = await attack_while_serving(port, opts.attackers, None, opts.concurrency,
                                             opts.drip_s)
+        after = await attack_while_serving(port, 0, opts.baseline_s, opts.concurrency)
     attack["attackers"].pop("closed_after_s")
-    ratios = {q: round(attack["normal"][q] / base["normal"][q], 2)
-              for q in ("p50_ms", "p99_ms") if base["normal"][q] and attack["normal"][q]}
-    return {"baseline": base, "attack": attack, "latency_ratio": ratios}
+    normal = {"before": before["normal"], "attack": attack["normal"], "after": after["normal"]}
+    return {"normal": normal, "attackers": attack["attackers"], "attack_wall_s": attack["wall_s"],
+            "latency_ratio": {f"attack/{when} {q}": _ratio(normal["attack"], normal[when], q)
+                              for when in ("before", "after") for q in ("p50_ms", "p99_ms")}}
+
+
+def _ratio(a: dict[str, Any], b: dict[str, Any], q: str) -> float | None:
+    return round(a[q] / b[q], 2) if a[q] and b[q] else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
