@@ -35,9 +35,8 @@ and gives the engine with the lowest ``J`` score 1, the others ``1 - (J - J_min)
   ("sticky") until that engine turns over ``1 + unique prefix / new tokens`` times faster than
   another, or its queue outweighs the prefix ("until saturated"). A session whose prefix was
   evicted has nothing to stick to and is placed like cold work.
-* A session's own recent insertions into its engine (with a session key) are left out of that
-  engine's pressure when its next turn is scored: its own growth evicts nothing it wants back,
-  and counting it made sessions hop to idle engines (plugins/insertion_ledger.py).
+* A session's own recent insertions (with a session key) are left out of its engine's pressure
+  for its next turn: its growth evicts nothing it wants back (plugins/insertion_ledger.py).
 * Recent insertions decay by the fleet's own insertions, not by wall time: half of the weight
   is gone after the fleet inserted ``half_life_caches`` x its total capacity. What was inserted
   a fleet-turnover ago has mostly been evicted, and an idle fleet (which evicts nothing) keeps
@@ -144,13 +143,10 @@ class KvPlacementScorer(
     * ``pressure_exponent`` [1] — 1.0: the cost of an inserted token grows linearly with the
       engine's relative turnover, as the reuse odds of the block it displaces do under LRU (a
       block lives capacity / insertion rate). 0 disables the pressure term.
-    * ``pressure_floor`` [share of a cache] — 0.05: the *difference* of recent insertions
-      (per token of capacity) between an engine and the slowest-turning candidate that doubles
-      the cost of a token inserted there. A difference, not a ratio of pressures: in steady
-      state every engine's pressure carries ~1.4 caches of yesterday's insertions, and a ratio
-      against that baseline hid a new workload's imbalance until it had thrashed one engine
-      (issue 28: 65-94 % of a workload on one of two engines); on a fresh gateway (minimum 0)
-      both forms are the same, ``1 + p / 0.05``, the behaviour measured there.
+    * ``pressure_floor`` [share of a cache] — 0.05: the lead in recent insertions over the
+      slowest candidate that doubles the cost of a token inserted there. A difference, not a
+      ratio: in steady state every pressure carries ~1.4 caches of earlier traffic, and a ratio
+      hid a new workload's imbalance behind it (docs/routing.md, "Steady state").
     * ``half_life_caches`` [fleet capacities] — 1.0: an LRU cache keeps a block for about one
       turnover, so insertions older than one fleet turnover no longer occupy anything.
     * ``load_weight`` [cost tokens per in-flight token] — 0.02: a queued token delays this
@@ -482,6 +478,9 @@ class _PlacementCollector(Collector):
                                   value=s.stats.remote_inserted_tokens)
         yield GaugeMetricFamily("kvgate_placement_sessions", "Session pins held",
                                 value=len(s._pins))
+        yield GaugeMetricFamily("kvgate_placement_own_insertion_sessions",
+                                "Sessions whose own recent insertions are tracked",
+                                value=len(s._own))
         yield CounterMetricFamily(
             "kvgate_placement_restored_hints_used",
             "Sessions placed on the engine a restored pin says holds their prefix",
