@@ -208,8 +208,7 @@ class KvPlacementScorer(
                 raise ConfigError(f"{params.load!r} is not a token-load-scorer")
             self.load = found
         self.ledger = InsertionLedger()
-        #: Each session's own recent insertions at its engine (not a threat to itself).
-        self._own = SessionInsertions(params.max_sessions)
+        self._own = SessionInsertions(params.max_sessions)  # each session's own insertions
         self.stats = PlacementStats()
         #: Tokens this replica charged per engine since start (shared with the other replicas)
         self._inserted: dict[EndpointId, float] = {}
@@ -295,9 +294,9 @@ class KvPlacementScorer(
         pressure = self._pressures(held, half_life)
         session = state.get(SESSION_KEY)
         pinned = state.get(SESSION_PIN) or self._pin_of(session)
-        if pinned is not None and pinned in pressure:
-            pressure[pinned] -= self._own.pressure(session, pinned, self.ledger.total, half_life,
-                                                   self._capacity[pinned])
+        if pinned is not None and pinned in pressure:  # its own growth is no threat to it
+            pressure[pinned] -= self._own.pressure(
+                session, pinned, self.ledger.total, half_life, self._capacity[pinned])
         slowest = min(pressure.values())
         hint = self._hints.get(session) if session is not None else None
         if hint is not None and hint[0] in held:
@@ -478,9 +477,8 @@ class _PlacementCollector(Collector):
                                   value=s.stats.remote_inserted_tokens)
         yield GaugeMetricFamily("kvgate_placement_sessions", "Session pins held",
                                 value=len(s._pins))
-        yield GaugeMetricFamily("kvgate_placement_own_insertion_sessions",
-                                "Sessions whose own recent insertions are tracked",
-                                value=len(s._own))
+        yield GaugeMetricFamily("kvgate_placement_own_insertion_sessions", "Sessions whose "
+                                "own recent insertions are tracked", value=len(s._own))
         yield CounterMetricFamily(
             "kvgate_placement_restored_hints_used",
             "Sessions placed on the engine a restored pin says holds their prefix",
