@@ -95,7 +95,7 @@ async def test_alias_and_allow_list(tmp_path: Path, monkeypatch: pytest.MonkeyPa
             assert resp.headers["x-kvgate-engine"] == engine
         if status == 404:
             assert "did you mean 'gpt-x'" in resp.json()["error"]["message"]
-        metrics = (await s.client.get("/metrics")).text
+        metrics = (await s.client.get("/metrics", headers=s.keys.auth("admin"))).text
     assert f'kvgate_requests_total{{api="chat",model="{label}",status="{status}"}} 1.0' in metrics
 
 
@@ -313,7 +313,7 @@ async def test_client_gone_closes_provider_stream(tmp_path: Path,
 async def test_provider_models_in_metrics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     async with provider_stack(tmp_path, monkeypatch) as s:
         await _post(s, _chat("claude-x", stream=True, usage=True))
-        metrics = (await s.client.get("/metrics")).text
+        metrics = (await s.client.get("/metrics", headers=s.keys.auth("admin"))).text
         assert 'kvgate_requests_total{api="chat",model="claude-x",status="200"} 1.0' in metrics
         assert 'kvgate_tokens_total{kind="cached",model="claude-x"}' in metrics
 
