@@ -84,6 +84,11 @@ def serve_config(config: GatewayConfig, workers: int = 1, http: str = "kvgate") 
 
     configure_logging(config.server.log_level, config.server.access_log)
     check_workers(config, workers)
+    if http == "uvicorn":
+        log.warning("--http uvicorn: uvicorn's protocol lacks the URL, head and header-count "
+                    "limits and the head and body deadlines of kvgate's front end "
+                    "(docs/security.md, HTTP front-end limits): for comparisons, not for "
+                    "clients you do not trust")
     app: Any = create_app(config)  # with workers too: config errors surface here, once
     if workers > 1:
         app = "middleware.workers:worker_app"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import random
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -335,12 +336,16 @@ async def test_concurrency_limit_answers_503() -> None:
     (["--http", "uvicorn"], "httptools", True),
 ])
 def test_kvgate_serve_runs_the_chosen_front(monkeypatch: pytest.MonkeyPatch, argv: list[str],
-                                            http: str, proxy_headers: bool) -> None:
+                                            http: str, proxy_headers: bool,
+                                            caplog: pytest.LogCaptureFixture) -> None:
     seen: dict[str, Any] = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
     monkeypatch.setattr(cli, "tune_gc", lambda: None)
-    assert cli.main(["serve", "--engine", "http://127.0.0.1:9", *argv]) == 0
+    with caplog.at_level(logging.WARNING, logger="kvgate.cli"):
+        assert cli.main(["serve", "--engine", "http://127.0.0.1:9", *argv]) == 0
     assert (seen["http"], seen["proxy_headers"]) == (http, proxy_headers)
+    # uvicorn's protocol holds fewer limits: said at startup, never silently
+    assert ("lacks the URL, head and header-count limits" in caplog.text) is proxy_headers
 
 
 @pytest.mark.parametrize("scenario", [
