@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.placement_sim import Lookup
 from bench.steady_workloads import Request, Workload, sequence
 from middleware.types import (
     KV_CAPACITY_TOKENS,
@@ -82,11 +83,6 @@ class Engine:
                 if len(cache) > self.capacity:
                     cache.popitem(last=False)
         return hit
-
-
-class Lookup:
-    def lookup(self, name: str) -> object:
-        raise KeyError(name)
 
 
 class Router:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,7 +17,7 @@ from engines.sim.testing import RunningSim, serve_sim
 from middleware.app import KvgateApp, create_app
 from middleware.cli import HTTP_FRONTS
 from middleware.config import parse_config
-from tests.servers import serve_asgi
+from tests.servers import REDIS_SERVER, RedisServer, serve_asgi
 
 #: The HTTP/1.1 front end ``kvgate serve`` runs (middleware/h1server.py), for ``serve_gateway``.
 KVGATE_FRONT = HTTP_FRONTS["kvgate"]
@@ -88,3 +89,15 @@ async def served(data: dict[str, Any]) -> AsyncIterator[tuple[KvgateApp, httpx.A
     async with serve_gateway(data, KVGATE_FRONT) as (app, url), \
             httpx.AsyncClient(base_url=url, timeout=30) as client:
         yield app, client
+
+
+@pytest.fixture
+def redis_db(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real redis-server with its data on disk: survives ``stop()``/``start()`` (outages)."""
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server not installed")
+    (tmp_path / "redis").mkdir()
+    server = RedisServer(data=tmp_path / "redis")
+    server.start()
+    yield server
+    server.stop()

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
 from engines.sim.testing import RunningSim
@@ -20,20 +19,9 @@ from plugins.keys_model import hash_key, new_key
 from tests.asyncq_helpers import until
 from tests.integration.conftest import gateway, gateway_config
 from tests.integration.test_keys_admin import ADMIN, USER, Gw
-from tests.servers import REDIS_SERVER, RedisServer
+from tests.servers import RedisServer
 
 ONLY_B = new_key()
-
-
-@pytest.fixture
-def redis_db(tmp_path: Path) -> Iterator[RedisServer]:
-    if REDIS_SERVER is None:
-        pytest.skip("redis-server not installed")
-    (tmp_path / "redis").mkdir()
-    server = RedisServer(data=tmp_path / "redis")  # persistent: survives stop()/start()
-    server.start()
-    yield server
-    server.stop()
 
 
 @contextlib.asynccontextmanager

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
-import pytest
 
 from engines.sim.testing import RunningSim
 from middleware.app import KvgateApp
@@ -24,20 +23,9 @@ from tests.asyncq_helpers import until
 from tests.integration.billing_helpers import Keys, billing_config, write_keys
 from tests.integration.conftest import gateway
 from tests.integration.test_object_ownership import MODEL, _acme_response, _finished
-from tests.servers import REDIS_SERVER, RedisServer
+from tests.servers import RedisServer
 
 Replica = tuple[KvgateApp, httpx.AsyncClient]
-
-
-@pytest.fixture
-def redis_db(tmp_path: Path) -> Iterator[RedisServer]:
-    if REDIS_SERVER is None:
-        pytest.skip("redis-server not installed")
-    (tmp_path / "redis").mkdir()
-    server = RedisServer(data=tmp_path / "redis")  # persistent: survives stop()/start()
-    server.start()
-    yield server
-    server.stop()
 
 
 @contextlib.asynccontextmanager
