@@ -1,1 +1,1 @@
-"""Client-facing API adapters (middleware/api.py), found through ``kvgate.apis``."""
+"""Client-facing API adapters (middleware/framework/api.py), found through ``kvgate.apis``."""

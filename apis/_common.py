@@ -10,9 +10,9 @@ from typing import Any
 
 import orjson
 
-from middleware.errors import BadRequest, HTTPError
-from middleware.types import Usage
-from pricing.cost import TokenCounts
+from kvgate.middleware.framework.errors import BadRequest, HTTPError
+from kvgate.middleware.framework.types import Usage
+from kvgate.pricing.cost import TokenCounts
 
 
 def require_model(data: Mapping[str, Any]) -> str:
@@ -85,7 +85,8 @@ def sse(name: str | None, data: Mapping[str, Any]) -> bytes:
 
 
 def error_message(err: HTTPError) -> str:
-    """The message to show (an engine's 4xx: its own, already cleaned, middleware/errors.py)."""
+    """The message to show (an engine's 4xx: its own, already cleaned; see
+    middleware/framework/errors.py)."""
     return err.message
 
 

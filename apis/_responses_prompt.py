@@ -12,7 +12,7 @@ parser treats the three alike, renderers/chat_utils.py:1653-1654).
 
 ``previous_response_id``: the engine prepends the stored conversation (its messages, then the
 previous output's assistant text, utils.py:264-281) to what is built here, so this view is only
-the new turn; see :mod:`apis.responses` for what routing does with it.
+the new turn; see :mod:`kvgate.apis.responses` for what routing does with it.
 
 Pure: no I/O, no state.
 """

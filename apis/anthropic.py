@@ -3,7 +3,7 @@
 What vLLM 0.32 does (vllm/entrypoints/anthropic/, docs/apis.md has the full list):
 
 * it converts the request to a chat completion (serving.py:322) and renders that with the chat
-  template, so routing matches :func:`apis._anthropic_prompt.chat_view` of the body;
+  template, so routing matches :func:`kvgate.apis._anthropic_prompt.chat_view` of the body;
 * usage follows Anthropic's convention: ``input_tokens = prompt - cache_read - cache_creation``
   (serving.py:63-99), cache fields only when ``--enable-prompt-tokens-details`` is on;
 * streaming: ``message_start`` carries ``input_tokens`` = the WHOLE prompt and no cache fields
@@ -24,8 +24,8 @@ from typing import Any, ClassVar
 import orjson
 from pydantic import BaseModel, ConfigDict
 
-from apis._anthropic_prompt import chat_view
-from apis._common import (
+from kvgate.apis._anthropic_prompt import chat_view
+from kvgate.apis._common import (
     error_message,
     estimate_tokens,
     optional_bool,
@@ -35,10 +35,10 @@ from apis._common import (
     template_kwargs,
     to_usage,
 )
-from middleware.api import ChatPrompt, ParsedRequest, SseEvent
-from middleware.errors import BadRequest, HTTPError
-from middleware.types import Usage
-from pricing.usage_conventions import count, from_anthropic
+from kvgate.middleware.framework.api import ChatPrompt, ParsedRequest, SseEvent
+from kvgate.middleware.framework.errors import BadRequest, HTTPError
+from kvgate.middleware.framework.types import Usage
+from kvgate.pricing.usage_conventions import count, from_anthropic
 
 ROLES = ("user", "assistant", "system")
 #: Bytes of the stream events the tap reads: message_start / message_delta carry ``usage``.

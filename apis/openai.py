@@ -19,13 +19,13 @@ from typing import Any, ClassVar
 
 import orjson
 
-from apis._common import to_usage
-from middleware.api import ParsedRequest, SseEvent
-from middleware.connector import rewrite_usage
-from middleware.errors import BadRequest, HTTPError
-from middleware.sse import error_event
-from middleware.types import ChatPrompt, Prompt, TextPrompt, TokenPrompt, Usage
-from pricing.usage_conventions import Convention, normalise
+from kvgate.apis._common import to_usage
+from kvgate.middleware.framework.api import ParsedRequest, SseEvent
+from kvgate.middleware.framework.connector import rewrite_usage
+from kvgate.middleware.framework.errors import BadRequest, HTTPError
+from kvgate.middleware.framework.types import ChatPrompt, Prompt, TextPrompt, TokenPrompt, Usage
+from kvgate.middleware.serving.sse import error_event
+from kvgate.pricing.usage_conventions import Convention, normalise
 
 #: Rough bytes per prompt token for text, used only to size in-flight token estimates before a
 #: tokenizer (a plugin) refines them; ~4 bytes/token holds for English BPE vocabularies.

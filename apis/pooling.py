@@ -12,15 +12,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from apis.openai import (
+from kvgate.apis.openai import (
     OpenAIErrors,
     UsageOnlyTap,
     check_model,
     text_estimate,
     text_prompt,
 )
-from middleware.api import ParsedRequest
-from middleware.errors import BadRequest
+from kvgate.middleware.framework.api import ParsedRequest
+from kvgate.middleware.framework.errors import BadRequest
 
 
 class NoUsageTap(UsageOnlyTap):

@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from apis._common import (
+from kvgate.apis._common import (
     estimate_tokens,
     openai_error_body,
     optional_bool,
@@ -40,11 +40,11 @@ from apis._common import (
     template_kwargs,
     to_usage,
 )
-from apis._responses_prompt import input_messages, tool_dicts
-from middleware.api import ChatPrompt, ParsedRequest, SseEvent
-from middleware.errors import BadRequest, HTTPError
-from middleware.types import Usage
-from pricing.usage_conventions import count, from_openai_responses
+from kvgate.apis._responses_prompt import input_messages, tool_dicts
+from kvgate.middleware.framework.api import ChatPrompt, ParsedRequest, SseEvent
+from kvgate.middleware.framework.errors import BadRequest, HTTPError
+from kvgate.middleware.framework.types import Usage
+from kvgate.pricing.usage_conventions import count, from_openai_responses
 
 #: Stream events whose ``response`` carries the final usage.
 FINAL_EVENTS = frozenset({"response.completed", "response.failed", "response.incomplete"})
@@ -191,8 +191,8 @@ class ResponsesAdapter(_ResponsesShape):
     """``POST /v1/responses``, and the by-id routes ``GET /v1/responses/{id}`` (also
     ``?stream=true``, replaying a background response's events) and
     ``POST /v1/responses/{id}/cancel``, which the core forwards to the engine that stored the
-    response without parsing (middleware/api.py, "By-id routes"); their errors are rendered by
-    :meth:`error_body`. Not disaggregated: the prefill engine would lack the stored
+    response without parsing (middleware/framework/api.py, "By-id routes"); their errors are
+    rendered by :meth:`error_body`. Not disaggregated: the prefill engine would lack the stored
     conversation a ``previous_response_id`` names, and the output cap is
     ``max_output_tokens``, not the ``max_tokens`` a prefill hop sets."""
 

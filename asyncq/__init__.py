@@ -1,2 +1,2 @@
 """Async inference: the durable job queue, its runner, queued requests, background responses
-and (with asyncq.mgmt) the OpenAI Batch API. See docs/async.md."""
+and (with kvgate.asyncq.batch.mgmt) the OpenAI Batch API. See docs/async.md."""

@@ -2,8 +2,9 @@
 (Batch API, queued requests) uses, and listeners told of every state change.
 
 Plain data and Protocols only: no I/O, no global state. A *job* is one API request run later
-through the gateway's own request path (middleware/loopback.py); its ``id`` is also the ledger
-``request_id`` of that run, so a job executed twice (at-least-once after a crash) is billed once.
+through the gateway's own request path (middleware/serving/loopback.py); its ``id`` is also the
+ledger ``request_id`` of that run, so a job executed twice (at-least-once after a crash) is billed
+once.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from middleware.errors import HTTPError
-from middleware.types import Principal
+from kvgate.middleware.framework.errors import HTTPError
+from kvgate.middleware.framework.types import Principal
 
 
 class JobState(enum.StrEnum):
@@ -166,7 +167,7 @@ class JobStore(Protocol):
 
 @runtime_checkable
 class QueueService(Protocol):
-    """What the async-queue plugin offers to the management plane (asyncq/mgmt.py)."""
+    """What the async-queue plugin offers to the management plane (asyncq/batch/mgmt.py)."""
 
     async def submit(self, specs: Sequence[JobSpec]) -> int:
         """Idempotent by id; returns how many were new. Raises QueueUnavailable."""

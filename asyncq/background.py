@@ -25,8 +25,8 @@ from typing import Any
 
 import orjson
 
-from asyncq.api import Job, JobSpec, JobState
-from middleware.types import InferenceRequest
+from kvgate.asyncq.api import Job, JobSpec, JobState
+from kvgate.middleware.framework.types import InferenceRequest
 
 _STATUS = {JobState.QUEUED: "queued", JobState.RUNNING: "in_progress",
            JobState.SUCCEEDED: "completed", JobState.FAILED: "failed",

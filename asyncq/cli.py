@@ -25,14 +25,26 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol
 
-import openai
+if TYPE_CHECKING:
+    import openai
 
-from asyncq.batch_lines import ENDPOINTS
+from kvgate.asyncq.batch.lines import ENDPOINTS
 
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 DEFAULT_BASE_URL = "http://127.0.0.1:8080"
+
+
+def _sdk() -> ModuleType:
+    """The ``openai`` SDK, an extra (``pip install 'kvgate[batch]'``): imported when a ``batch``
+    command runs, so that ``kvgate --help`` and the server need none of it."""
+    try:
+        import openai as sdk
+    except ImportError as exc:
+        raise SystemExit("kvgate batch needs the openai SDK: pip install 'kvgate[batch]'") from exc
+    return sdk
 
 
 class Progress(Protocol):
@@ -85,7 +97,9 @@ def client_of(args: argparse.Namespace) -> openai.OpenAI:
         base += "/v1"
     key = args.api_key or os.environ.get("KVGATE_API_KEY") or os.environ.get(
         "OPENAI_API_KEY") or "none"
-    return openai.OpenAI(base_url=base, api_key=key, max_retries=2, timeout=args.timeout)
+    client: openai.OpenAI = _sdk().OpenAI(base_url=base, api_key=key, max_retries=2,
+                                          timeout=args.timeout)
+    return client
 
 
 def _print(obj: Any) -> None:
@@ -188,12 +202,13 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
+        sdk = _sdk()
         try:
             return fn(args)
-        except openai.APIStatusError as exc:
+        except sdk.APIStatusError as exc:
             print(f"kvgate batch: HTTP {exc.status_code}: {exc.message}", file=sys.stderr)
             return 2
-        except openai.APIConnectionError as exc:
+        except sdk.APIConnectionError as exc:
             print(f"kvgate batch: cannot reach the server: {exc}", file=sys.stderr)
             return 2
         except OSError as exc:

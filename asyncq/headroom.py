@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from middleware.types import Endpoint
+from kvgate.middleware.framework.types import Endpoint
 
 
 class HeadroomParams(BaseModel):

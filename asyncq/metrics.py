@@ -12,7 +12,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from asyncq.api import JobState
+from kvgate.asyncq.api import JobState
 
 #: Wait buckets (seconds from submit to start): queued work waits seconds to a day.
 WAIT_BUCKETS = (0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 24 * 3600)

@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from asyncq.api import Job
+from kvgate.asyncq.api import Job
 
 #: Characters of a text prompt that form its key: 4096 characters (~1k tokens) is past any
 #: shared system prompt's distinguishing start yet cheap to hash.

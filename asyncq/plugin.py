@@ -1,5 +1,5 @@
 """``async-queue``: the durable queue for work that need not be answered now -- OpenAI Batch
-(asyncq/mgmt.py), queued single requests (asyncq/queued.py) and background responses
+(asyncq/batch/mgmt.py), queued single requests (asyncq/queued.py) and background responses
 (asyncq/background.py) -- pulled while the fleet has headroom (asyncq/runner.py). docs/async.md.
 
 It is the :class:`QueueService` of the management plane, and plugs into the core through its
@@ -29,7 +29,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from asyncq.api import (
+from kvgate.asyncq.api import (
     Job,
     JobListener,
     JobSpec,
@@ -37,15 +37,14 @@ from asyncq.api import (
     JobStore,
     QueueUnavailable,
 )
-from asyncq.background import background_spec, response_object, wants_background
-from asyncq.headroom import HeadroomParams
-from asyncq.metrics import QueueMetrics
-from asyncq.ordering import prefix_key
-from asyncq.queued import accepted, owned, queue_options, queued_spec, wants_queue
-from asyncq.runner import Runner, RunnerSettings
-from middleware.errors import ConfigError
-from middleware.loopback import Loopback
-from middleware.plugin import (
+from kvgate.asyncq.background import background_spec, response_object, wants_background
+from kvgate.asyncq.headroom import HeadroomParams
+from kvgate.asyncq.metrics import QueueMetrics
+from kvgate.asyncq.ordering import prefix_key
+from kvgate.asyncq.queued import accepted, owned, queue_options, queued_spec, wants_queue
+from kvgate.asyncq.runner import Runner, RunnerSettings
+from kvgate.middleware.framework.errors import ConfigError
+from kvgate.middleware.framework.plugin import (
     AsgiApp,
     AsgiMount,
     Deferred,
@@ -59,10 +58,11 @@ from middleware.plugin import (
     RequestDeferral,
     StateResolver,
 )
-from middleware.types import InferenceRequest, Principal
+from kvgate.middleware.framework.types import InferenceRequest, Principal
+from kvgate.middleware.serving.loopback import Loopback
 
 log = logging.getLogger("kvgate.asyncq")
-#: Paths of the management app (asyncq/mgmt.py).
+#: Paths of the management app (asyncq/batch/mgmt.py).
 MOUNTS = ("/v1/files", "/v1/batches", "/v1/queue", "/openapi.json")
 
 
@@ -73,13 +73,13 @@ def _default_backend() -> str:
 def open_store(url: str, retention_s: float, max_jobs: int) -> JobStore:
     """The store for a backend URL (``sqlite:///path`` or ``redis://...``), ConfigError else."""
     if url.startswith("sqlite://"):
-        from asyncq.store_sqlite import SqliteJobStore
+        from kvgate.asyncq.store.sqlite_store import SqliteJobStore
         path = url[len("sqlite://"):]
         if not path.startswith("/"):
             raise ConfigError(f"backend {url!r}: use sqlite:///absolute/path")
         return SqliteJobStore(path, retention_s=retention_s, max_jobs=max_jobs)
     if url.startswith(("redis://", "rediss://")):
-        from asyncq.store_redis import RedisJobStore
+        from kvgate.asyncq.store.redis_store import RedisJobStore
         return RedisJobStore(url, retention_s=retention_s, max_jobs=max_jobs)
     raise ConfigError(f"backend {url!r}: expected sqlite:///path or redis://host:port/db")
 
@@ -122,7 +122,7 @@ class AsyncQueue(Plugin, Lifecycle, AsgiMount, RequestDeferral, StateResolver, N
         retention_s: float = Field(30 * 86400.0, gt=0)
         #: Unfinished jobs the store holds at most (a submit past it is a 429).
         max_jobs: int = Field(1_000_000, ge=1)
-        #: The management plane (Files, Batches, webhooks: asyncq/mgmt.py's
+        #: The management plane (Files, Batches, webhooks: asyncq/batch/mgmt.py's
         #: ManagementSettings); null: not mounted.
         management: dict[str, Any] | None = Field(default_factory=dict)
 
@@ -146,7 +146,7 @@ class AsyncQueue(Plugin, Lifecycle, AsgiMount, RequestDeferral, StateResolver, N
             self._build_management(params.management)
 
     def _build_management(self, section: Mapping[str, Any]) -> None:
-        from asyncq.mgmt import ManagementSettings, build_management_app, plane_of
+        from kvgate.asyncq.batch.mgmt import ManagementSettings, build_management_app, plane_of
         try:
             settings = ManagementSettings.model_validate(section)
         except ValidationError as exc:
@@ -243,7 +243,7 @@ class AsyncQueue(Plugin, Lifecycle, AsgiMount, RequestDeferral, StateResolver, N
 
 
 class Queue:
-    """The :class:`~asyncq.api.QueueService` the management plane and the plugin's own hooks
+    """The :class:`~kvgate.asyncq.api.QueueService` the management plane and the plugin's own hooks
     use: the store, the runner to wake, the listeners (a separate object from the plugin, so
     its ``authenticate`` is not taken for an Authenticator plugin's)."""
 

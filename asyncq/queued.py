@@ -27,9 +27,9 @@ from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from asyncq.api import Job, JobSpec, QueueService
-from middleware.errors import BadRequest, NotFound
-from middleware.types import InferenceRequest, Principal
+from kvgate.asyncq.api import Job, JobSpec, QueueService
+from kvgate.middleware.framework.errors import BadRequest, NotFound
+from kvgate.middleware.framework.types import InferenceRequest, Principal
 
 QUEUE_HEADER = "x-kvgate-queue"
 PRIORITY_HEADER = "x-kvgate-queue-priority"

@@ -1,5 +1,5 @@
 """The runner: pulls queued jobs while the fleet has headroom and runs them through the
-gateway's own request path (middleware/loopback.py).
+gateway's own request path (middleware/serving/loopback.py).
 
 Loop (one per replica; ``poll_interval_s`` between rounds when idle):
 
@@ -38,13 +38,13 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from asyncq.api import Job, JobListener, JobResult, JobState, JobStore, QueueUnavailable
-from asyncq.headroom import HeadroomParams, gate
-from asyncq.metrics import QueueMetrics
-from asyncq.ordering import order_window
-from asyncq.tasks import cancel
-from middleware.errors import HTTPError
-from middleware.loopback import Loopback, LoopbackResponse
+from kvgate.asyncq.api import Job, JobListener, JobResult, JobState, JobStore, QueueUnavailable
+from kvgate.asyncq.headroom import HeadroomParams, gate
+from kvgate.asyncq.metrics import QueueMetrics
+from kvgate.asyncq.ordering import order_window
+from kvgate.asyncq.tasks import cancel
+from kvgate.middleware.framework.errors import HTTPError
+from kvgate.middleware.serving.loopback import Loopback, LoopbackResponse
 
 log = logging.getLogger("kvgate.asyncq.runner")
 

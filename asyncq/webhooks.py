@@ -12,7 +12,7 @@ Signing: ``webhook-id`` (the event id), ``webhook-timestamp`` (unix seconds) and
 base64-decoded part of the tenant's ``whsec_...`` secret; the ``openai`` SDK's
 ``client.webhooks.unwrap`` / ``verify_signature`` (and any Standard Webhooks library) verify it.
 
-Durability: an event is a row of the ``outbox`` table (asyncq/mgmt_db.py), written in the
+Durability: an event is a row of the ``outbox`` table (asyncq/batch/mgmt_db.py), written in the
 same transaction as the state change it reports for batches, and before the listener returns
 for requests. A delivery loop claims due rows (``next_at`` moved forward by the request
 timeout first, so two processes never send one row at once), POSTs them, and deletes them on a
@@ -46,9 +46,9 @@ import aiohttp
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
-from asyncq.api import Job, JobState
-from asyncq.mgmt_db import Db
-from asyncq.tasks import cancel
+from kvgate.asyncq.api import Job, JobState
+from kvgate.asyncq.batch.mgmt_db import Db
+from kvgate.asyncq.tasks import cancel
 
 log = logging.getLogger("kvgate.asyncq.webhooks")
 

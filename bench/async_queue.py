@@ -43,7 +43,7 @@ import yaml
 
 from bench import procs
 from bench.harness import machine_info
-from middleware.quickstart import QuickStart, quick_start_config
+from kvgate.middleware.quickstart import QuickStart, quick_start_config
 
 MODEL = "sim-model"
 RESULTS = Path("bench/results/async_queue.json")
@@ -98,7 +98,7 @@ def system(root: Path, fleet: Fleet, queue: Queue) -> Iterator[str]:
         urls = []
         for i in range(fleet.engines):
             port = procs.free_port()
-            argv = [sys.executable, "-m", "engines.sim", "--port", str(port), "--engine-id",
+            argv = [sys.executable, "-m", "kvgate.engines.sim", "--port", str(port), "--engine-id",
                     f"engine-{i}", "--model", MODEL, "--time-scale", "1", "--seed", str(i),
                     "--capacity-blocks", str(fleet.capacity_blocks),
                     "--block-size", str(fleet.block_size)]

@@ -23,11 +23,11 @@ from typing import Any
 import httpx
 import orjson
 
-from asyncq.api import JobResult, JobState
-from asyncq.metrics import QueueMetrics
-from asyncq.mgmt import ManagementSettings, build_management_app, plane_of
-from asyncq.plugin import Queue
-from asyncq.store_sqlite import SqliteJobStore
+from kvgate.asyncq.api import JobResult, JobState
+from kvgate.asyncq.batch.mgmt import ManagementSettings, build_management_app, plane_of
+from kvgate.asyncq.metrics import QueueMetrics
+from kvgate.asyncq.plugin import Queue
+from kvgate.asyncq.store.sqlite_store import SqliteJobStore
 
 ANSWER = orjson.dumps({"id": "chatcmpl-x", "object": "chat.completion", "choices": [
     {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "ok"}}],

@@ -3,10 +3,10 @@ one flat function, on kvgate's own HTTP server, engine client and primitives.
 
 What ``kvgate serve --engine URL`` must do for a non-streaming chat request to one engine,
 with no plugin framework around it: the body parsed and checked (apis/openai.py's checks),
-the prompt rendered and pseudo-tokenized (plugins/approx_tokens.py), its record chain hashed
-through the chain memo (plugins/record_chains.py), matched in and recorded into a prefix-closed
-index (plugins/kv_index.py), one placement cost per engine (uncached tokens, insertion
-pressure, queued work), the token load charged and released, the request forwarded, the
+the prompt rendered and pseudo-tokenized (plugins/prefix/approx_tokens.py), its record chain hashed
+through the chain memo (plugins/prefix/record_chains.py), matched in and recorded into a
+prefix-closed index (plugins/prefix/index/index.py), one placement cost per engine (uncached tokens,
+insertion pressure, queued work), the token load charged and released, the request forwarded, the
 usage read from the answer, token counters, and an access-log line (batched per event-loop
 iteration into a file, as kvgate's). Not done: auth, session affinity, metrics histograms,
 tracing, the circuit breaker, retries, streaming. It is a measuring stick, not a gateway:
@@ -35,14 +35,14 @@ import aiohttp
 import orjson
 import uvicorn
 
-from apis.openai import check_common
 from bench.loadgen import make_body
-from middleware.cli import tune_gc
-from middleware.h1client import H1Client
-from plugins import record_hash
-from plugins.approx_tokens import render_chat, tokenize
-from plugins.kv_index import KvIndex
-from plugins.record_chains import ChainMemo
+from kvgate.apis.openai import check_common
+from kvgate.middleware.cli import tune_gc
+from kvgate.middleware.transport.h1client import H1Client
+from kvgate.plugins.prefix import record_hash
+from kvgate.plugins.prefix.approx_tokens import render_chat, tokenize
+from kvgate.plugins.prefix.index.index import KvIndex
+from kvgate.plugins.prefix.record_chains import ChainMemo
 
 Message = dict[str, Any]
 Send = Callable[[Message], Awaitable[None]]
@@ -187,7 +187,8 @@ def main(argv: Sequence[str] | None = None) -> None:
           else tempfile.TemporaryFile()) as log:
         tune_gc()  # as kvgate serve
         uvicorn.run(FlatGateway(args.upstream, log), host=args.host, port=args.port,
-                    loop="uvloop", http="middleware.h1server:H1Protocol", lifespan="on",
+                    loop="uvloop", http="kvgate.middleware.transport.h1server:H1Protocol",
+                    lifespan="on",
                     access_log=False, log_level="warning")
 
 

@@ -61,9 +61,9 @@ from bench.agentic_systems import (
     predictions,
     running,
 )
-from engines.local.fleet import start_fleet
-from engines.local.launcher import LocalEngine, stop
-from engines.local.model import SERVED_NAME, ensure_model
+from kvgate.engines.local.fleet import start_fleet
+from kvgate.engines.local.launcher import LocalEngine, stop
+from kvgate.engines.local.model import SERVED_NAME, ensure_model
 
 #: Per engine: 30 MiB = 60 blocks of 128 tokens = 7,680 tokens (see the module docstring).
 KV_CACHE_BYTES = 30 << 20

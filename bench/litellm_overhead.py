@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from bench.overhead import RESULTS_DIR
-from engines.litellm_provider import load_litellm
-from plugins.catalog import Catalog
+from kvgate.engines.litellm_provider import load_litellm
+from kvgate.plugins.catalog.plugin import Catalog
 from tests.integration.catalog_helpers import provider_stack
 
 MESSAGES = [{"role": "user", "content": "hello there"}]

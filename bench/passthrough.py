@@ -3,9 +3,9 @@ and for the floor under kvgate's own cost per request.
 
 Server: uvicorn (uvloop) with a raw ASGI app, identical for every variant. Upstream client:
 ``aiohttp.ClientSession``, ``httpx.AsyncClient`` (both on uvicorn's httptools protocol), or
-``h1``: kvgate's own engine client (middleware/h1client.py) on kvgate's own HTTP front end
-(middleware/h1server.py), the I/O layer ``kvgate serve`` runs, with none of the gateway's work
-(no parsing, routing, accounting or logging): what kvgate costs above it is the gateway's own.
+``h1``: kvgate's own engine client (middleware/transport/h1client.py) on kvgate's own HTTP front end
+(middleware/transport/h1server.py), the I/O layer ``kvgate serve`` runs, with none of the gateway's
+work (no parsing, routing, accounting or logging): what kvgate costs above it is the gateway's own.
 Each client has a pool larger than the load (so none reconnects) and no response decoding.
 Bodies stream through chunk by chunk (``h1``: the answer is read whole, as kvgate reads a JSON
 answer).
@@ -23,7 +23,7 @@ import aiohttp
 import httpx
 import uvicorn
 
-from middleware.h1client import H1Client
+from kvgate.middleware.transport.h1client import H1Client
 
 Message = dict[str, Any]
 Send = Callable[[Message], Awaitable[None]]
@@ -113,7 +113,8 @@ class H1Upstream:
 
 
 #: The HTTP server each client runs behind: uvicorn's httptools protocol, or kvgate's own.
-SERVERS = {"aiohttp": "httptools", "httpx": "httptools", "h1": "middleware.h1server:H1Protocol"}
+SERVERS = {"aiohttp": "httptools", "httpx": "httptools",
+           "h1": "kvgate.middleware.transport.h1server:H1Protocol"}
 
 
 class PassThrough:

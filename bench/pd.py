@@ -228,7 +228,7 @@ def fleet(a: Args, roles: Sequence[str], logs: Path) -> Iterator[list[str]]:
         urls = []
         for i, role in enumerate(roles):
             port = procs.free_port()
-            argv = [sys.executable, "-m", "engines.sim", "--port", str(port), "--role", role,
+            argv = [sys.executable, "-m", "kvgate.engines.sim", "--port", str(port), "--role", role,
                     "--time-scale", str(a.time_scale), "--engine-id", f"{role}-{i}",
                     "--capacity-blocks", "16384",
                     "--max-num-batched-tokens", str(a.batched_tokens)]

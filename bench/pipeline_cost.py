@@ -55,9 +55,9 @@ async def _discovered(app: Any, engines: int, timeout_s: float) -> list[Any]:
 
 def pipeline(app: Any, eps: Sequence[Any], body: bytes) -> Callable[[Tick], Awaitable[None]]:
     """One request's pipeline work, as the gateway and the dispatcher run it (no I/O)."""
-    from apis.openai import ChatCompletions
-    from middleware.requests import build_request, load_body
-    from middleware.types import CycleState, Outcome, OutcomeKind, Usage
+    from kvgate.apis.openai import ChatCompletions
+    from kvgate.middleware.framework.types import CycleState, Outcome, OutcomeKind, Usage
+    from kvgate.middleware.serving.requests import build_request, load_body
 
     gateway = app.gateway
     pipe, adapter, rids = gateway.dispatcher.pipeline, ChatCompletions(), gateway.request_ids
@@ -139,8 +139,8 @@ def table(summary: dict[str, Any]) -> str:
 
 
 async def _run(upstreams: Sequence[str], args: argparse.Namespace) -> dict[str, Any]:
-    from middleware.app import create_app
-    from middleware.config import parse_config
+    from kvgate.middleware.app import create_app
+    from kvgate.middleware.framework.config import parse_config
 
     data = preset_data(upstreams)
     app = create_app(parse_config(data, "<pipeline-cost>"))

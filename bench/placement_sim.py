@@ -28,7 +28,7 @@ from typing import Any
 from bench.replay import TRACE_DIR, trace_path
 from bench.replay_metrics import imbalance, lru_hit_ratio
 from bench.replay_trace import TRACE_BLOCK, TraceRequest, infer_sessions, load_trace
-from middleware.types import (
+from kvgate.middleware.framework.types import (
     KV_CAPACITY_TOKENS,
     Api,
     CycleState,
@@ -37,8 +37,8 @@ from middleware.types import (
     InferenceRequest,
     RoutingDecision,
 )
-from plugins.placement import KvPlacementScorer
-from plugins.state import PREFIX_MATCH, SESSION_KEY, TOKEN_IDS, PrefixMatch
+from kvgate.plugins.common.state import PREFIX_MATCH, SESSION_KEY, TOKEN_IDS, PrefixMatch
+from kvgate.plugins.placement.scorer import KvPlacementScorer
 
 POLICIES = ("placement", "placement-nopressure", "session-pin", "random", "least-prefill")
 

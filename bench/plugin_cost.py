@@ -168,7 +168,7 @@ def table(summary: Mapping[str, Mapping[str, float]], skipped: Mapping[str, str]
 # -- config ------------------------------------------------------------------------------------
 def preset_data(upstreams: Sequence[str]) -> dict[str, Any]:
     """The config data ``kvgate serve --engine URL ...`` builds (the default preset)."""
-    from middleware.quickstart import DEFAULT_PRESET, QuickStart, presets
+    from kvgate.middleware.quickstart import DEFAULT_PRESET, QuickStart, presets
 
     qs = QuickStart(engines=tuple(upstreams))
     return {"engines": qs.engine_list(), **presets()[DEFAULT_PRESET](qs)}
@@ -176,8 +176,8 @@ def preset_data(upstreams: Sequence[str]) -> dict[str, Any]:
 
 def profile_keep(data: Mapping[str, Any]) -> set[str]:
     """The default profile's filters and picker (by their plugins' classes)."""
-    from middleware.plugin import Filter, Picker
-    from middleware.registry import Registry
+    from kvgate.middleware.framework.plugin import Filter, Picker
+    from kvgate.middleware.framework.registry import Registry
 
     registry = Registry.from_entry_points()
     types = {plugin_name(entry): entry["type"] for entry in data["plugins"]}
@@ -192,10 +192,10 @@ def profile_keep(data: Mapping[str, Any]) -> set[str]:
 
 def refusal(data: Mapping[str, Any]) -> str | None:
     """Why the config validation refuses ``data`` (None: it accepts it)."""
-    from middleware.config import parse_config
-    from middleware.errors import ConfigError
-    from middleware.pipeline import build_pipeline
-    from middleware.registry import Registry
+    from kvgate.middleware.framework.config import parse_config
+    from kvgate.middleware.framework.errors import ConfigError
+    from kvgate.middleware.framework.pipeline import build_pipeline
+    from kvgate.middleware.framework.registry import Registry
 
     try:
         build_pipeline(parse_config(dict(data), "<plugin-cost>"), Registry.from_entry_points())
@@ -256,9 +256,9 @@ async def _measure(data: dict[str, Any], body: bytes, requests: int, warmup: int
     """CPU µs per request of this process over ``requests`` (after ``warmup``), and the
     hooks' µs per request over them from the hook-time histogram (whole only when every hook
     call is timed, as ``--hooks`` runs it; otherwise the sampled calls' share)."""
-    from middleware.app import create_app
-    from middleware.cli import tune_gc
-    from middleware.config import parse_config
+    from kvgate.middleware.app import create_app
+    from kvgate.middleware.cli import tune_gc
+    from kvgate.middleware.framework.config import parse_config
 
     app = create_app(parse_config(data, "<plugin-cost>"))
     tune_gc()  # as ``kvgate serve`` does once its app is built
@@ -282,8 +282,8 @@ def run_worker(args: argparse.Namespace) -> int:
     """``--worker``: measure the variant whose config data is in ``args.worker`` (a file)."""
     import uvloop
 
-    from middleware.cli import configure_logging
-    from middleware.config import AccessLogConfig
+    from kvgate.middleware.cli import configure_logging
+    from kvgate.middleware.framework.config import AccessLogConfig
 
     data = json.loads(Path(args.worker).read_text())
     with tempfile.TemporaryDirectory(prefix="kvgate-plugin-cost-") as tmp:

@@ -12,7 +12,9 @@ import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from engines.ports import free_port as free_port  # re-exported: callers use procs.free_port()
+from kvgate.engines.ports import (
+    free_port as free_port,  # re-exported: callers use procs.free_port()
+)
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -21,10 +21,10 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from middleware.types import Api, CycleState, InferenceRequest
-from plugins.auth import ApiKey, Limits
-from plugins.billing import Billing
-from plugins.quotas import Quotas
+from kvgate.middleware.framework.types import Api, CycleState, InferenceRequest
+from kvgate.plugins.billing.plugin import Billing
+from kvgate.plugins.quotas.plugin import Quotas
+from kvgate.plugins.tenancy.auth import ApiKey, Limits
 from tests.integration.billing_helpers import PRICES_YAML
 from tests.plugin_helpers import NoLookup
 from tests.servers import RedisServer

@@ -66,7 +66,7 @@ def sims(count: int, logs: Path, time_scale: float) -> Iterator[list[tuple[Any, 
         out = []
         for i in range(count):
             port = procs.free_port()
-            argv = [sys.executable, "-m", "engines.sim", "--port", str(port), "--engine-id",
+            argv = [sys.executable, "-m", "kvgate.engines.sim", "--port", str(port), "--engine-id",
                     f"sim-{i}", "--time-scale", str(time_scale), "--max-num-seqs", "1024",
                     "--log-level", "warning"]
             proc = stack.enter_context(procs.running(argv, "0-1", logs / f"sim-{i}.log"))

@@ -40,10 +40,16 @@ from typing import Any
 from bench.placement_sim import Engine, Lookup, _endpoints
 from bench.replay import TRACE_DIR, trace_path
 from bench.replay_trace import TRACE_BLOCK, TraceRequest, infer_sessions, load_trace, send_offsets
-from middleware.types import Api, CycleState, Endpoint, InferenceRequest, RoutingDecision
-from plugins.placement import KvPlacementScorer
-from plugins.state import PREFIX_MATCH, SESSION_KEY, TOKEN_IDS, PrefixMatch
-from plugins.token_load import TokenLoadScorer
+from kvgate.middleware.framework.types import (
+    Api,
+    CycleState,
+    Endpoint,
+    InferenceRequest,
+    RoutingDecision,
+)
+from kvgate.plugins.common.state import PREFIX_MATCH, SESSION_KEY, TOKEN_IDS, PrefixMatch
+from kvgate.plugins.load.token_load import TokenLoadScorer
+from kvgate.plugins.placement.scorer import KvPlacementScorer
 
 #: token-load-scorer's default weight of an in-flight decode token [prefill tokens]
 DECODE_TOKEN_WEIGHT: float = TokenLoadScorer.Params.model_fields["decode_token_weight"].default

@@ -186,7 +186,7 @@ def tuned_quick_start(
 ) -> dict[str, Any]:
     """The config ``kvgate serve --engine URL ... [--kv-events-bind E]`` builds, with
     ``placement`` merged into the ``kv-placement-scorer``'s params (tuning runs)."""
-    from middleware.quickstart import QuickStart, quick_start_config
+    from kvgate.middleware.quickstart import QuickStart, quick_start_config
 
     qs = QuickStart(engines=tuple(urls), kv_events_bind=events,
                     server={"host": "127.0.0.1", "port": port})
@@ -199,7 +199,7 @@ def tuned_quick_start(
 
 def sim_argv(i: int, port: int, fleet: FleetSpec, events: str | list[str] | None) -> list[str]:
     """Command line of engine ``e<i>``."""
-    argv = [sys.executable, "-m", "engines.sim", "--port", str(port),
+    argv = [sys.executable, "-m", "kvgate.engines.sim", "--port", str(port),
             "--engine-id", f"engine-{i}",
             "--model", MODEL, "--block-size", str(fleet.block_size),
             "--capacity-blocks", str(fleet.capacity_blocks),

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engines.sim.tokenizer import piece_id
+from kvgate.engines.sim.core.tokenizer import piece_id
 
 #: Tokens per trace block (the Mooncake release hashes 512-token blocks).
 TRACE_BLOCK = 512

@@ -37,7 +37,7 @@ from typing import Any
 
 from bench.placement_sim import Lookup
 from bench.steady_workloads import Request, Workload, sequence
-from middleware.types import (
+from kvgate.middleware.framework.types import (
     KV_CAPACITY_TOKENS,
     Api,
     CycleState,
@@ -46,9 +46,15 @@ from middleware.types import (
     InferenceRequest,
     RoutingDecision,
 )
-from plugins.placement import KvPlacementScorer
-from plugins.prefix_cache import PrefixCacheProducer
-from plugins.state import PREFIX_MATCH, SESSION_KEY, SESSION_PIN, TOKEN_IDS, PrefixMatch
+from kvgate.plugins.common.state import (
+    PREFIX_MATCH,
+    SESSION_KEY,
+    SESSION_PIN,
+    TOKEN_IDS,
+    PrefixMatch,
+)
+from kvgate.plugins.placement.scorer import KvPlacementScorer
+from kvgate.plugins.prefix.producer import PrefixCacheProducer
 
 SYSTEMS = ("kvgate", "kvgate-approx", "pin-index", "random", "least-loaded", "consistent-hash",
            "cache-aware")
@@ -92,7 +98,7 @@ class Router:
     with its own scorer (and record), sharing what ``--redis`` shares: every replica's
     insertions reach the others' ledgers (token-load's counter exchange, here after every
     request: the ideal of its 1 s rounds), the session table's pin (``SESSION_PIN``), and with
-    the record, every insertion (plugins/shared_record.py)."""
+    the record, every insertion (plugins/prefix/shared_record.py)."""
 
     def __init__(self, system: str, engines: int, capacity_tokens: int, seed: int,
                  params: dict[str, Any], replicas: int = 1) -> None:

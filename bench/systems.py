@@ -19,7 +19,8 @@ from bench import procs, venvs
 DIRECT = "direct"
 KVGATE = "kvgate"
 #: kvgate served by uvicorn's own HTTP protocol (``kvgate serve --http uvicorn``), as before
-#: middleware/h1server.py became the default: the before/after of the front end in one run.
+#: middleware/transport/h1server.py became the default: the before/after of the front end in one
+#: run.
 KVGATE_UVICORN = "kvgate-uvicorn"
 #: kvgate from another checkout (``KVGATE_BASE_TREE``: a ``git worktree`` of the commit to
 #: compare with, put first on ``PYTHONPATH``; the venv's installed dependencies and entry points

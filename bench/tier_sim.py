@@ -1,13 +1,14 @@
 """A shared KV tier in a fleet of simulated engines, replayed in virtual time (issue 16).
 
-Each engine is the simulator's own continuous-batching :class:`~engines.sim.scheduler.Scheduler`
-(prefix cache, chunked prefill, preemption) with its H100 :class:`~engines.sim.timing.TimingModel`;
-the fleet optionally shares one :class:`~engines.sim.shared_tier.SharedTier`. A discrete-event
-loop runs the trace on its own schedule (H100-equivalent seconds, no sleeping, so a run takes
-seconds to minutes on 2 cores instead of a timed replay's wall time), routes every arrival with
-the real ``kv-placement-scorer`` over the engines' exact GPU prefixes (precise mode) and their
-in-flight uncached tokens (charged at dispatch, released at the first token), optionally
-tier-aware (:func:`plugins.shared_tier.fold_shared`, ``other_tier_weight`` = the derived credit),
+Each engine is the simulator's own continuous-batching
+:class:`~kvgate.engines.sim.core.scheduler.Scheduler` (prefix cache, chunked prefill, preemption)
+with its H100 :class:`~kvgate.engines.sim.core.timing.TimingModel`; the fleet optionally shares one
+:class:`~kvgate.engines.sim.core.shared_tier.SharedTier`. A discrete-event loop runs the trace on
+its own schedule (H100-equivalent seconds, no sleeping, so a run takes seconds to minutes on 2 cores
+instead of a timed replay's wall time), routes every arrival with the real ``kv-placement-scorer``
+over the engines' exact GPU prefixes (precise mode) and their in-flight uncached tokens (charged at
+dispatch, released at the first token), optionally tier-aware
+(:func:`kvgate.plugins.prefix.shared_tier.fold_shared`, ``other_tier_weight`` = the derived credit),
 and reports the hit ratio (GPU and tier), TTFT percentiles and preemptions.
 
 Setups of one run (``--gpu-blocks`` C per engine, ``--engines`` N):
@@ -46,21 +47,21 @@ from bench.placement_sim import Lookup, _request
 from bench.replay import TRACE_DIR, trace_path
 from bench.replay_metrics import lru_hit_ratio, percentile
 from bench.replay_trace import TRACE_BLOCK, TraceRequest, infer_sessions, load_trace, prompt_tokens
-from engines.sim.config import SimConfig
-from engines.sim.prefix_cache import block_hashes
-from engines.sim.scheduler import Planned, Scheduler, SeqSpec
-from engines.sim.shared_tier import SharedTier, TierParams
-from engines.sim.timing import TimingModel
-from middleware.types import (
+from kvgate.engines.sim.core.config import SimConfig
+from kvgate.engines.sim.core.prefix_cache import block_hashes
+from kvgate.engines.sim.core.scheduler import Planned, Scheduler, SeqSpec
+from kvgate.engines.sim.core.shared_tier import SharedTier, TierParams
+from kvgate.engines.sim.core.timing import TimingModel
+from kvgate.middleware.framework.types import (
     KV_CAPACITY_TOKENS,
     CycleState,
     Endpoint,
     EngineMetrics,
     RoutingDecision,
 )
-from plugins.placement import KvPlacementScorer
-from plugins.shared_tier import TierLink, fold_shared
-from plugins.state import PREFIX_MATCH, SESSION_KEY, TOKEN_IDS, PrefixMatch
+from kvgate.plugins.common.state import PREFIX_MATCH, SESSION_KEY, TOKEN_IDS, PrefixMatch
+from kvgate.plugins.placement.scorer import KvPlacementScorer
+from kvgate.plugins.prefix.shared_tier import TierLink, fold_shared
 
 #: The issue's entropy bound on the codec's saving, used (and labelled) when no measurement.
 SAVING_BOUND = 0.33

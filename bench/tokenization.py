@@ -43,11 +43,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import machine_info
-from middleware.requests import parse_request
-from middleware.types import Api, CycleState
-from plugins.kv_index import KvIndex, chain_hashes
-from plugins.state import TOKEN_IDS
-from plugins.tokenization import (
+from kvgate.middleware.framework.types import Api, CycleState
+from kvgate.middleware.serving.requests import parse_request
+from kvgate.plugins.common.state import TOKEN_IDS
+from kvgate.plugins.prefix.index.index import KvIndex, chain_hashes
+from kvgate.plugins.prefix.tokenizer import (
     ChatPrefixCache,
     ChatTokenizer,
     Tokenizer,
@@ -254,7 +254,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         trained = build_hf_folder(Path(tmp), texts[:200])
         specs = [] if args.no_sim else [
             ("sim tokenizer (pure Python)",
-             TokenizerSpec(kind="module", module="engines.sim.tokenizer"))]
+             TokenizerSpec(kind="module", module="kvgate.engines.sim.core.tokenizer"))]
         specs.append(("HF byte-level BPE, vocab 4096",
                       TokenizerSpec(kind="hf", model_dir=str(trained))))
         specs += [(f"HF {d.name}", TokenizerSpec(kind="hf", model_dir=str(d.expanduser())))

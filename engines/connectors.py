@@ -1,8 +1,8 @@
 """KV-transfer connectors for prefill/decode disaggregation (``kvgate.connectors`` entry points).
 
 Each one shapes the two hops of a disaggregated request for one engine protocol; the gateway
-(``middleware/disagg.py``) sends them. A connector's own I/O, if any, is ``prepare`` (run before
-the hops). Wire facts: ``../shared/design/PROTOCOLS.md`` and docs/disaggregation.md.
+(``middleware/serving/disagg.py``) sends them. A connector's own I/O, if any, is ``prepare`` (run
+before the hops). Wire facts: ``../shared/design/PROTOCOLS.md`` and docs/disaggregation.md.
 
 ``vllm-nixl`` (sequential) — vLLM's NixlConnector
     Hop 1 to the prefill engine: the client's request with ``stream: false``, ``max_tokens: 1``
@@ -59,13 +59,13 @@ from urllib.parse import urlsplit
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field
 
-from middleware.connector import (
+from kvgate.middleware.framework.connector import (
     DecodeCachedConvention,
     HopContext,
     TransferUnavailable,
     reported_cached,
 )
-from middleware.types import Api, Endpoint, InferenceRequest
+from kvgate.middleware.framework.types import Api, Endpoint, InferenceRequest
 
 log = logging.getLogger("kvgate.connectors")
 

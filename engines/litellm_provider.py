@@ -2,9 +2,9 @@
 ``litellm.acompletion``, answered in OpenAI's shape and accounted like self-hosted engines.
 
 Registered as ``litellm`` in the ``kvgate.engines`` group; the gateway calls it for catalog
-entries with a ``provider`` (middleware/backend.py). LiteLLM is imported lazily, in a thread
-when the app starts (``start``), with ``LITELLM_LOCAL_MODEL_COST_MAP=True`` set in the process
-environment first, so importing it never fetches LiteLLM's price map over the network.
+entries with a ``provider`` (middleware/framework/backend.py). LiteLLM is imported lazily, in a
+thread when the app starts (``start``), with ``LITELLM_LOCAL_MODEL_COST_MAP=True`` set in the
+process environment first, so importing it never fetches LiteLLM's price map over the network.
 
 * Request: the chat body's OpenAI parameters (:data:`PASSED`: messages, tools, tool_choice,
   response_format, sampling ...) go to ``acompletion`` unchanged; ``model`` is the catalog's
@@ -31,8 +31,8 @@ from collections.abc import AsyncIterator, Mapping
 from types import ModuleType
 from typing import Any, ClassVar
 
-from middleware.backend import BackendReply, BackendStep
-from middleware.errors import (
+from kvgate.middleware.framework.backend import BackendReply, BackendStep
+from kvgate.middleware.framework.errors import (
     BadRequest,
     HTTPError,
     ModelNotFound,
@@ -40,7 +40,7 @@ from middleware.errors import (
     Unauthorized,
     UpstreamError,
 )
-from middleware.types import Api, InferenceRequest, Usage
+from kvgate.middleware.framework.types import Api, InferenceRequest, Usage
 
 #: OpenAI chat-completions parameters handed to LiteLLM as they are.
 PASSED = frozenset({

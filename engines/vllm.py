@@ -15,8 +15,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from apis.openai import openai_usage
-from middleware.types import KV_CAPACITY_TOKENS, EngineMetrics, InferenceRequest, Usage
+from kvgate.apis.openai import openai_usage
+from kvgate.middleware.framework.types import (
+    KV_CAPACITY_TOKENS,
+    EngineMetrics,
+    InferenceRequest,
+    Usage,
+)
 
 _GAUGES = {
     "vllm:num_requests_running": "running",

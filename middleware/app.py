@@ -19,14 +19,42 @@ from typing import Any
 
 import aiohttp
 
-from middleware.admin_port import (
+from kvgate.middleware.fleet.breaker import BreakerCollector
+from kvgate.middleware.fleet.pool import EndpointPool
+from kvgate.middleware.framework.config import GatewayConfig
+from kvgate.middleware.framework.errors import (
+    ConfigError,
+    HTTPError,
+    MethodNotAllowed,
+    NotFound,
+    internal_error,
+    model_not_found,
+)
+from kvgate.middleware.framework.pipeline import build_pipeline
+from kvgate.middleware.framework.plugin import (
+    AsgiApp,
+    HealthSource,
+    HttpRequest,
+    MetricsSource,
+    allowed_models,
+    authenticate,
+)
+from kvgate.middleware.framework.registry import Registry
+from kvgate.middleware.observe.metrics import GatewayMetrics
+from kvgate.middleware.observe.redact import public_view
+from kvgate.middleware.observe.tracing import Tracing
+from kvgate.middleware.serving.gateway import ApiRoutes, Gateway
+from kvgate.middleware.serving.loopback import Loopback
+from kvgate.middleware.serving.routing_state import RoutingStateFile
+from kvgate.middleware.serving.states import StateMapCollector, state_map
+from kvgate.middleware.transport.admin_port import (
     PROMETHEUS_CT,
     AdminListener,
     auth_required,
     check_metrics_access,
     is_admin,
 )
-from middleware.asgi import (
+from kvgate.middleware.transport.asgi import (
     ClientGone,
     Receive,
     Scope,
@@ -37,36 +65,8 @@ from middleware.asgi import (
     send_error,
     send_json,
 )
-from middleware.breaker import BreakerCollector
-from middleware.config import GatewayConfig
-from middleware.errors import (
-    ConfigError,
-    HTTPError,
-    MethodNotAllowed,
-    NotFound,
-    internal_error,
-    model_not_found,
-)
-from middleware.gateway import ApiRoutes, Gateway
-from middleware.h1client import H1Client, H1Collector, host_port
-from middleware.h1limits import H1Limits, H1LimitsCollector
-from middleware.loopback import Loopback
-from middleware.metrics import GatewayMetrics
-from middleware.pipeline import build_pipeline
-from middleware.plugin import (
-    AsgiApp,
-    HealthSource,
-    HttpRequest,
-    MetricsSource,
-    allowed_models,
-    authenticate,
-)
-from middleware.pool import EndpointPool
-from middleware.redact import public_view
-from middleware.registry import Registry
-from middleware.routing_state import RoutingStateFile
-from middleware.states import StateMapCollector, state_map
-from middleware.tracing import Tracing
+from kvgate.middleware.transport.h1client import H1Client, H1Collector, host_port
+from kvgate.middleware.transport.h1limits import H1Limits, H1LimitsCollector
 
 log = logging.getLogger("kvgate.app")
 
@@ -130,7 +130,7 @@ class KvgateApp:
         self._client: H1Client | None = None
         self.metrics.registry.register(H1Collector(
             lambda: self._client, {host_port(e.url): e.name for e in config.engines}))
-        #: what the HTTP front end (middleware/h1server.py) holds its connections to
+        #: what the HTTP front end (middleware/transport/h1server.py) holds its connections to
         self.h1_limits = H1Limits(config.server)
         self.metrics.registry.register(H1LimitsCollector(self.h1_limits))
         self.loopback = Loopback(self, self.pipeline.authenticator, self.pool.snapshot)
@@ -266,7 +266,7 @@ class KvgateApp:
 
     def metrics_page(self) -> bytes:
         """The Prometheus exposition of every series (tenants' included): for an admin key or
-        the admin port (middleware/admin_port.py)."""
+        the admin port (middleware/transport/admin_port.py)."""
         return self.metrics.render()
 
     def health_report(self) -> tuple[int, dict[str, object]]:
@@ -295,7 +295,7 @@ class KvgateApp:
         """``/health`` on the API port: the full report for an admin key. Otherwise, with API
         keys on, only ``{"status"}`` (no engines, tenants, index states or plugin sections:
         docs/security.md); with auth off, the report without engine URLs, socket addresses or
-        host names (middleware/redact.py)."""
+        host names (middleware/observe/redact.py)."""
         status, body = self.health_report()
         auth = self.pipeline.authenticator
         if is_admin(auth, headers):

@@ -12,7 +12,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from middleware.config import (
+from kvgate.middleware.fleet.tokenizer_discovery import discover_tokenizer
+from kvgate.middleware.framework.config import (
     PD_CONNECTORS,
     AccessLogConfig,
     GatewayConfig,
@@ -23,22 +24,21 @@ from middleware.config import (
     with_quotas,
     with_shared_state,
 )
-from middleware.errors import ConfigError
-from middleware.quickstart import QuickStart, quick_start_config
-from middleware.registry import command_registrars
-from middleware.tokenizer_discovery import discover_tokenizer
+from kvgate.middleware.framework.errors import ConfigError
+from kvgate.middleware.framework.registry import command_registrars
+from kvgate.middleware.quickstart import QuickStart, quick_start_config
 
 log = logging.getLogger("kvgate.cli")
 
 
 def configure_logging(level: str, access_log: AccessLogConfig | None = None) -> None:
     """The gateway's log on stderr; with ``access_log``, the access log's own handler
-    (middleware/access_log.py: JSON lines on stderr or in its file)."""
+    (middleware/observe/access_log.py: JSON lines on stderr or in its file)."""
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if access_log is not None:
-        from middleware.access_log import install_handler
+        from kvgate.middleware.observe.access_log import install_handler
 
         install_handler(access_log)
 
@@ -64,10 +64,11 @@ def tune_gc() -> None:
 
 
 #: ``kvgate serve --http``: the HTTP/1.1 protocol uvicorn's server runs per connection.
-#: ``kvgate``: middleware/h1server.py (the default: less work per request, no proxy-headers
-#: middleware); ``uvicorn``: uvicorn's own httptools protocol with its proxy-headers middleware
-#: (what kvgate served with before; kept to compare, bench/overhead.py ``kvgate-uvicorn``).
-HTTP_FRONTS = {"kvgate": "middleware.h1server:H1Protocol", "uvicorn": "httptools"}
+#: ``kvgate``: middleware/transport/h1server.py (the default: less work per request, no
+#: proxy-headers middleware); ``uvicorn``: uvicorn's own httptools protocol with its proxy-headers
+#: middleware (what kvgate served with before; kept to compare, bench/overhead.py
+#: ``kvgate-uvicorn``).
+HTTP_FRONTS = {"kvgate": "kvgate.middleware.transport.h1server:H1Protocol", "uvicorn": "httptools"}
 
 
 def serve_config(config: GatewayConfig, workers: int = 1, http: str = "kvgate") -> int:
@@ -79,8 +80,8 @@ def serve_config(config: GatewayConfig, workers: int = 1, http: str = "kvgate") 
 
     import uvicorn
 
-    from middleware.app import create_app
-    from middleware.workers import CONFIG_ENV, WORKERS_ENV, check_workers, serialize
+    from kvgate.middleware.app import create_app
+    from kvgate.middleware.workers import CONFIG_ENV, WORKERS_ENV, check_workers, serialize
 
     configure_logging(config.server.log_level, config.server.access_log)
     check_workers(config, workers)
@@ -91,7 +92,7 @@ def serve_config(config: GatewayConfig, workers: int = 1, http: str = "kvgate") 
                     "clients you do not trust")
     app: Any = create_app(config)  # with workers too: config errors surface here, once
     if workers > 1:
-        app = "middleware.workers:worker_app"
+        app = "kvgate.middleware.workers:worker_app"
         os.environ[CONFIG_ENV] = serialize(config)  # inherited by the spawned workers only
         os.environ[WORKERS_ENV] = str(workers)
     else:
@@ -109,8 +110,8 @@ def serve_config(config: GatewayConfig, workers: int = 1, http: str = "kvgate") 
 
 def uvicorn_limit(server: ServerConfig, http: str) -> int | None:
     """uvicorn's ``limit_concurrency`` for ``server.max_connections``: kvgate's front applies
-    the limit itself (middleware/h1limits.py); uvicorn's protocol answers 503 to every request
-    while it has that many connections or requests (itself included), hence the one more."""
+    the limit itself (middleware/transport/h1limits.py); uvicorn's protocol answers 503 to every
+    request while it has that many connections or requests (itself included), hence the one more."""
     return server.max_connections + 1 if http == "uvicorn" else None
 
 
@@ -235,7 +236,8 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="gateway processes sharing the port (default 1); with N > 1 give --redis "
                    "so that they route as one (docs/operations.md)")
     p.add_argument("--http", choices=sorted(HTTP_FRONTS), default="kvgate",
-                   help="HTTP/1.1 protocol (default kvgate: middleware/h1server.py; uvicorn: "
+                   help="HTTP/1.1 protocol (default kvgate: middleware/transport/h1server.py; "
+                   "uvicorn: "
                    "uvicorn's httptools protocol, as before)")
     p.set_defaults(func=_cmd_serve)
 

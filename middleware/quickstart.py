@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
-from middleware.config import PD_CONNECTORS, GatewayConfig, parse_config
-from middleware.errors import ConfigError
+from kvgate.middleware.framework.config import PD_CONNECTORS, GatewayConfig, parse_config
+from kvgate.middleware.framework.errors import ConfigError
 
 PRESET_GROUP = "kvgate.presets"
 #: The preset of ``kvgate serve --engine`` and of the P/D quick start.

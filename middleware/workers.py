@@ -29,9 +29,9 @@ import logging
 import os
 from pathlib import Path
 
-from middleware.config import GatewayConfig, parse_config
-from middleware.errors import ConfigError
-from middleware.registry import Registry
+from kvgate.middleware.framework.config import GatewayConfig, parse_config
+from kvgate.middleware.framework.errors import ConfigError
+from kvgate.middleware.framework.registry import Registry
 
 log = logging.getLogger("kvgate.workers")
 
@@ -113,8 +113,8 @@ def per_worker(config: GatewayConfig, slot: int, registry: Registry) -> GatewayC
 
 def worker_app() -> object:
     """uvicorn factory of one worker: the gateway app of the handed-over config."""
-    from middleware.app import create_app
-    from middleware.cli import configure_logging, tune_gc
+    from kvgate.middleware.app import create_app
+    from kvgate.middleware.cli import configure_logging, tune_gc
 
     config = worker_config()
     configure_logging(config.server.log_level, config.server.access_log)

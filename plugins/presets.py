@@ -6,7 +6,7 @@ product's default: cache-aware with no setup, precise when the fleet allows it.
 
 * **Tokens.** With a tokenizer (``--tokenizer DIR``: a model folder; or the name of a
   ``kvgate.tokenizers`` entry point such as ``sim``) the gateway computes the engines' own token
-  ids; without one, pseudo-tokens (plugins/approx_tokens.py) that share prefixes exactly when
+  ids; without one, pseudo-tokens (plugins/prefix/approx_tokens.py) that share prefixes exactly when
   prompts do. Token-id prompts pass through either way.
 * **Prefix.** ``prefix-cache-producer`` in ``auto`` mode: per engine, precise from the engine's
   KV events while they are attributed and agree with what the engine reports, else the
@@ -35,7 +35,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from middleware.quickstart import QuickStart
+from kvgate.middleware.quickstart import QuickStart
 
 #: ``pd-profile-handler``'s threshold: prefill hop when this many prompt tokens are not on the
 #: chosen decode engine (docs/plugins/pd.md has why 256).

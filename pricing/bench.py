@@ -1,4 +1,4 @@
-"""Ledger throughput: ``python -m pricing.bench [--records N] [--concurrency C] ...``.
+"""Ledger throughput: ``python -m kvgate.pricing.bench [--records N] [--concurrency C] ...``.
 
 ``concurrency`` coroutines submit records back to back (as completion hooks would), into a
 fresh SQLite ledger (or ``--ledger URL``) with its spool in a temporary directory. Prints one
@@ -18,9 +18,9 @@ import time
 from decimal import Decimal
 from pathlib import Path
 
-from pricing.backends import open_backend
-from pricing.ledger import Ledger
-from pricing.records import LedgerRecord
+from kvgate.pricing.backends.base import open_backend
+from kvgate.pricing.ledger import Ledger
+from kvgate.pricing.records import LedgerRecord
 
 
 def _record(i: int, now: dt.datetime) -> LedgerRecord:
@@ -62,7 +62,7 @@ async def run(records: int, concurrency: int, max_group: int, ledger_url: str | 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pricing.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kvgate.pricing.bench", description=__doc__)
     parser.add_argument("--records", type=int, default=50_000)
     parser.add_argument("--concurrency", type=int, default=256)
     parser.add_argument("--max-group", type=int, default=4096)

@@ -20,9 +20,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-from pricing.backends import LedgerUnavailable, open_backend
-from pricing.prices import PriceError, litellm_json, load_book
-from pricing.records import COLUMNS, LedgerRecord
+from kvgate.pricing.backends.base import LedgerUnavailable, open_backend
+from kvgate.pricing.prices import PriceError, litellm_json, load_book
+from kvgate.pricing.records import COLUMNS, LedgerRecord
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -58,7 +58,7 @@ def parse_time(value: str) -> dt.datetime:
 
 
 def csv_row(r: LedgerRecord) -> list[str]:
-    """One CSV row in :data:`~pricing.records.COLUMNS` order (None: empty)."""
+    """One CSV row in :data:`~kvgate.pricing.records.COLUMNS` order (None: empty)."""
     data = r.to_dict()
     out = []
     for name in COLUMNS:

@@ -26,8 +26,8 @@ import enum
 from dataclasses import dataclass
 from decimal import Decimal
 
-from pricing.money import ZERO, exact_sum, fraction_of, times, usd
-from pricing.prices import ModelPrice
+from kvgate.pricing.money import ZERO, exact_sum, fraction_of, times, usd
+from kvgate.pricing.prices import ModelPrice
 
 
 class CachedSource(enum.StrEnum):

@@ -34,10 +34,10 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from pricing.backends import LedgerBackend, LedgerRejected, LedgerUnavailable
-from pricing.records import LedgerRecord
-from pricing.spool import Cursor, Spool, SpoolError
-from pricing.usage_api import UsageQuery, build_page, page_bounds
+from kvgate.pricing.backends.base import LedgerBackend, LedgerRejected, LedgerUnavailable
+from kvgate.pricing.records import LedgerRecord
+from kvgate.pricing.spool import Cursor, Spool, SpoolError
+from kvgate.pricing.usage_api import UsageQuery, build_page, page_bounds
 
 log = logging.getLogger("kvgate.ledger")
 __all__ = ["Ledger", "LedgerClosed", "LedgerStats", "SpoolError"]

@@ -38,7 +38,7 @@ from typing import Any
 
 import yaml
 
-from pricing.money import MILLION, ZERO, parse_decimal
+from kvgate.pricing.money import MILLION, ZERO, parse_decimal
 
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 LITELLM_KEYS = {"input": "input_cost_per_token", "output": "output_cost_per_token",

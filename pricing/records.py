@@ -16,8 +16,8 @@ from dataclasses import dataclass, fields
 from decimal import Decimal
 from typing import Any
 
-from pricing.cost import Cost
-from pricing.money import QUANTUM, ZERO, money_str
+from kvgate.pricing.cost import Cost
+from kvgate.pricing.money import QUANTUM, ZERO, money_str
 
 DECIMAL_FIELDS = ("cost_input", "cost_cached_input", "cost_output", "cost_cache_write",
                   "cost_discount", "cost_total")
@@ -135,7 +135,7 @@ class LedgerRecord:
 
 
 def cost_fields(c: Cost | None) -> dict[str, Any]:
-    """The record's money and cached-token fields from a :class:`~pricing.cost.Cost`
+    """The record's money and cached-token fields from a :class:`~kvgate.pricing.cost.Cost`
     (``None``: unpriced, all zero). ``cached_tokens`` for an unpriced request is the caller's."""
     if c is None:
         return {name: ZERO for name in DECIMAL_FIELDS}

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-from pricing.money import ZERO, money_str
-from pricing.records import LedgerRecord
+from kvgate.pricing.money import ZERO, money_str
+from kvgate.pricing.records import LedgerRecord
 
 WIDTHS = {"1m": 60, "1h": 3600, "1d": 86400}
 LIMITS = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}

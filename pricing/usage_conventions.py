@@ -24,7 +24,7 @@ convention             raw fields -> TokenCounts
 
 One implementation: the API adapters' usage taps (apis/) call these same functions, and the
 golden table (tests/unit/pricing/test_usage_conventions.py) prices their output with
-:func:`pricing.cost.cost`. Pure: no I/O, no state.
+:func:`kvgate.pricing.cost.cost`. Pure: no I/O, no state.
 
 A field that is absent is unknown (``cached`` None), never 0. Impossible numbers (cache reads
 and writes beyond the prompt) are clamped so that nothing is billed twice: the cache-write
@@ -37,7 +37,7 @@ import enum
 from collections.abc import Callable, Mapping
 from typing import Any, TypeGuard
 
-from pricing.cost import TokenCounts
+from kvgate.pricing.cost import TokenCounts
 
 
 class Convention(enum.StrEnum):

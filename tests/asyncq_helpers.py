@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
-from asyncq.api import JobSpec
+from kvgate.asyncq.api import JobSpec
 from tests.servers import RedisServer
 
 T = TypeVar("T")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from middleware import cli
-from middleware.config import GatewayConfig
+from kvgate.middleware import cli
+from kvgate.middleware.framework.config import GatewayConfig
 
 
 def served_config(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> GatewayConfig:

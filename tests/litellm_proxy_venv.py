@@ -11,7 +11,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from engines.local.paths import base_python, kvgate_home
+from kvgate.engines.local.paths import base_python, kvgate_home
 
 REQUIREMENT = "litellm[proxy]==1.106.2"
 MARKER = "kvgate-litellm-proxy.req"

@@ -7,10 +7,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from apis.openai import ChatCompletions, Completions
-from middleware.errors import BadRequest
-from middleware.plugin import Plugin
-from middleware.types import Prompt
+from kvgate.apis.openai import ChatCompletions, Completions
+from kvgate.middleware.framework.errors import BadRequest
+from kvgate.middleware.framework.plugin import Plugin
+from kvgate.middleware.framework.types import Prompt
 
 
 class NoLookup:

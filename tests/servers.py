@@ -17,7 +17,7 @@ from typing import Any, Literal
 import httpx
 import uvicorn
 
-from engines.ports import free_port
+from kvgate.engines.ports import free_port
 
 __all__ = ["REDIS_SERVER", "RedisServer", "free_port", "running_process", "serve_asgi", "wait_ready"]
 
@@ -27,7 +27,7 @@ async def serve_asgi(app: Any, lifespan: Literal["on", "off"] = "on",
                      http: str = "httptools") -> AsyncIterator[str]:
     """Serve ``app`` with uvicorn on a free loopback port in this loop; yields its base URL.
     ``http``: uvicorn's protocol name, or a class path such as kvgate's own
-    ``middleware.cli.HTTP_FRONTS["kvgate"]`` (what ``kvgate serve`` runs).
+    ``kvgate.middleware.cli.HTTP_FRONTS["kvgate"]`` (what ``kvgate serve`` runs).
 
     A startup failure is re-raised; leaving the block stops the server and closes the socket.
     """

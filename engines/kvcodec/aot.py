@@ -1,6 +1,6 @@
 """Compile the Triton kernels ahead of time for a CUDA GPU, on a machine without one.
 
-``python -m engines.kvcodec.aot [--arch 90]`` (never with ``TRITON_INTERPRET=1``: the
+``python -m kvgate.engines.kvcodec.aot [--arch 90]`` (never with ``TRITON_INTERPRET=1``: the
 interpreter replaces the compiler) runs Triton's whole pipeline (TTIR, TTGIR, LLVM IR, PTX
 and, with the ``ptxas`` Triton ships, a cubin) for each kernel with the argument types the
 launchers pass, and prints one JSON object: per kernel whether it compiled and the sizes of its
@@ -21,7 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from engines.kvcodec import kernels
+from kvgate.engines.kvcodec import kernels
 
 #: (kernel, argument types in order, constexpr values): what kernels.py's launchers pass.
 SIGNATURES: dict[str, tuple[Any, dict[str, str], dict[str, int]]] = {
@@ -59,7 +59,7 @@ def compile_one(name: str, arch: int) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engines.kvcodec.aot")
+    ap = argparse.ArgumentParser(prog="python -m kvgate.engines.kvcodec.aot")
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10")
     args = ap.parse_args(argv)
     report = {name: compile_one(name, args.arch) for name in SIGNATURES}

@@ -1,6 +1,6 @@
 """``kvgate codec setup|bench``: the lossless BF16 KV-block codec (gateway side, no torch).
 
-``bench`` sets up the engine-side environment (:mod:`engines.kvcodec.venv`) and runs
+``bench`` sets up the engine-side environment (:mod:`kvgate.engines.kvcodec.venv`) and runs
 ``python -m engines.kvcodec.bench`` there; its last stdout line is the JSON report
 (``bit_exact``, ``saving``, ``per_kind``, ``gpu_decode_gbps``...). ``--out`` also writes that
 report, with the command that produced it, to a file (bench/results/codec-saving.json).
@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engines.kvcodec.venv import engine_env, engine_side_path, ensure_codec_env
+from kvgate.engines.kvcodec.venv import engine_env, engine_side_path, ensure_codec_env
 
 BENCH_OPTIONS = ("block_tokens", "chunk", "max_len", "windows", "triton_blocks", "repeats")
 
@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     b.add_argument("--out", type=Path, help="also write the report (and command) here")
     for name in BENCH_OPTIONS:
         b.add_argument("--" + name.replace("_", "-"), type=int,
-                       help="see python -m engines.kvcodec.bench --help")
+                       help="see python -m kvgate.engines.kvcodec.measure.bench --help")
     b.set_defaults(func=_bench)
 
 
@@ -46,8 +46,8 @@ def _bench(args: argparse.Namespace) -> int:
     python = ensure_codec_env(_progress)
     passed = [f"--{n.replace('_', '-')}={getattr(args, n)}" for n in BENCH_OPTIONS
               if getattr(args, n) is not None]
-    cmd = [str(python), "-m", "engines.kvcodec.bench", *(["--json"] if args.json else []),
-           *passed]
+    cmd = [str(python), "-m", "kvgate.engines.kvcodec.measure.bench",
+           *(["--json"] if args.json else []), *passed]
     with engine_side_path() as path:
         done = subprocess.run(cmd, env=engine_env(path), stdout=subprocess.PIPE, text=True,
                               check=False)

@@ -1,8 +1,8 @@
 """Encode and decode a batch of equal-sized BF16 blocks with either backend.
 
 The device steps (split, chunk encode, chunk decode, merge) come from a :class:`Backend`: the
-torch reference (:mod:`engines.kvcodec.reference`) or the Triton kernels
-(:mod:`engines.kvcodec.kernels`). The rest is shared, so both backends write the same bytes:
+torch reference (:mod:`kvgate.engines.kvcodec.reference`) or the Triton kernels
+(:mod:`kvgate.engines.kvcodec.kernels`). The rest is shared, so both backends write the same bytes:
 the per-block histogram (``torch.bincount``), the Huffman tables (host, 256 counts per block),
 the decode lookup tables (``torch.searchsorted`` on the device), packing the chunks into
 blocks and choosing raw storage when coding does not pay.
@@ -23,8 +23,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from engines.kvcodec import container
-from engines.kvcodec.huffman import canonical_codes, code_lengths
+from kvgate.engines.kvcodec import container
+from kvgate.engines.kvcodec.huffman import canonical_codes, code_lengths
 
 #: Zero bytes after the concatenated streams: a lane's 3-byte peek never reads past the end.
 STREAM_PAD = 4
@@ -55,10 +55,10 @@ class Backend(Protocol):
 def backend(name: str) -> Backend:
     """``"torch"`` (reference) or ``"triton"`` (kernels; imports Triton)."""
     if name == "torch":
-        from engines.kvcodec import reference
+        from kvgate.engines.kvcodec import reference
         return reference
     if name == "triton":
-        from engines.kvcodec import kernels
+        from kvgate.engines.kvcodec import kernels
         return kernels
     raise ValueError(f"unknown codec backend {name!r} (torch, triton)")
 

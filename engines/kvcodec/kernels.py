@@ -1,6 +1,6 @@
 """Triton kernels of the codec's device steps (GPU; CPU through ``TRITON_INTERPRET=1``).
 
-Same contract and bytes as :mod:`engines.kvcodec.reference`:
+Same contract and bytes as :mod:`kvgate.engines.kvcodec.reference`:
 
 * ``_split_kernel`` / ``_merge_kernel``: elementwise, ``ELEMS`` words per program.
 * ``_encode_kernel``: one lane per chunk, ``LANES`` lanes per program. A lane walks its chunk
@@ -15,7 +15,7 @@ Same contract and bytes as :mod:`engines.kvcodec.reference`:
 
 Arguments are annotated ``tl.tensor`` (pointers and scalars) or ``tl.constexpr``: Triton's
 code generator evaluates annotations and refuses a global such as ``typing.Any`` (the
-interpreter does not; :mod:`engines.kvcodec.aot` compiles the kernels to catch this).
+interpreter does not; :mod:`kvgate.engines.kvcodec.aot` compiles the kernels to catch this).
 
 ``LANES = 64`` and ``ELEMS = 1024`` are ordinary Triton block sizes (powers of two, a few
 warps); they change the schedule, never the bytes.

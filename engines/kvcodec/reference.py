@@ -1,6 +1,6 @@
 """The torch reference of the codec's four device steps (any torch device; the CPU in CI).
 
-Same algorithm and same bytes as the Triton kernels (:mod:`engines.kvcodec.kernels`), written
+Same algorithm and same bytes as the Triton kernels (:mod:`kvgate.engines.kvcodec.kernels`), written
 with whole-tensor torch operations:
 
 * :func:`split` / :func:`merge`: BF16 word <-> (sign+mantissa byte, exponent byte).

@@ -10,7 +10,7 @@ tensor with the same shape and the same bits, or ``None`` for an absent key.
 Frame (little-endian)::
 
     "KVT1" | ndim u8 | 3 reserved bytes | block_values u32 | blobs u32
-    | shape: ndim x u64 | blob sizes: blobs x u32 | blobs (engines.kvcodec.container blocks)
+    | shape: ndim x u64 | blob sizes: blobs x u32 | blobs (kvgate.engines.kvcodec.container blocks)
 
 The flattened tensor is cut into blocks of ``block_values`` values (the last may be shorter);
 each block is one container block, raw when coding does not pay. ``block_values`` defaults to
@@ -27,8 +27,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from engines.kvcodec.codec import Backend, Params, backend, decode_blocks, encode_blocks
-from engines.kvcodec.container import CodecFormatError
+from kvgate.engines.kvcodec.codec import Backend, Params, backend, decode_blocks, encode_blocks
+from kvgate.engines.kvcodec.container import CodecFormatError
 
 MAGIC = b"KVT1"
 HEAD = struct.Struct("<4sB3xII")

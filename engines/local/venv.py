@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from engines.local.paths import base_python, engine_python, engine_venv
+from kvgate.engines.local.paths import base_python, engine_python, engine_venv
 
 REQUIREMENTS = Path(__file__).with_name("requirements-engine.txt")
 MARKER = "kvgate-engine-venv.sha256"

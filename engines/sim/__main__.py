@@ -1,8 +1,8 @@
-"""``python -m engines.sim --port P ...``: serve one simulated engine (see engines.sim.cli)."""
+"""``python -m kvgate.engines.sim --port P ...``: serve one simulated engine (see its cli)."""
 
 import sys
 
-from engines.sim.cli import main
+from kvgate.engines.sim.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,8 +13,8 @@ learns the engine id there; a decode engine finds the worker of ``remote_engine_
 The simulator lists one worker, itself (engine id: ``SimConfig.engine_id``), whose address is
 this server's: the host the caller used and this port. Its "worker" side is the long poll
 ``GET /sim/kv_transfer/<key>`` on the same board as the engine's API
-(:func:`engines.sim.pd.take_transfer`). vLLM's ``POST /register`` (its workers registering) has
-no counterpart: the simulated worker is registered from the start.
+(:func:`kvgate.engines.sim.core.pd.take_transfer`). vLLM's ``POST /register`` (its workers
+registering) has no counterpart: the simulated worker is registered from the start.
 
 It is an ``aiohttp.web`` server started inside the engine's event loop (by the app's lifespan),
 so it needs no thread and no second uvicorn with its own signal handling.
@@ -26,7 +26,7 @@ import socket
 
 from aiohttp import web
 
-from engines.sim.pd import KvBoard, take_transfer
+from kvgate.engines.sim.core.pd import KvBoard, take_transfer
 
 
 class BootstrapServer:

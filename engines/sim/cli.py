@@ -1,6 +1,6 @@
 """Command line of the simulated engine.
 
-``python -m engines.sim --port 8000 [...]`` serves one engine; ``kvgate sim [...] --count N``
+``python -m kvgate.engines.sim --port 8000 [...]`` serves one engine; ``kvgate sim [...] --count N``
 (this module's :func:`register`) serves N engines on consecutive ports, one process each (so a
 benchmark can spread them over cores). With ``--count``, engine *i* gets port ``P + i``, engine
 id ``sim-<port>``, and a *binding* KV-events endpoint's port ``+ i`` (vLLM's data-parallel
@@ -18,7 +18,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from engines.sim.config import KvEventsConfig, PdSimConfig, SimConfig
+from kvgate.engines.sim.core.config import KvEventsConfig, PdSimConfig, SimConfig
 
 #: vLLM's default ``VLLM_MOONCAKE_BOOTSTRAP_PORT`` (vllm/envs.py, 0.32).
 DEFAULT_BOOTSTRAP_PORT = 8998
@@ -113,7 +113,7 @@ def serve(config: SimConfig, host: str, port: int, log_level: str = "warning") -
     """Serve one engine with uvicorn (uvloop, httptools, no access log) until interrupted."""
     import uvicorn
 
-    from engines.sim.app import create_sim_app
+    from kvgate.engines.sim.http.app import create_sim_app
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
@@ -127,7 +127,7 @@ def serve(config: SimConfig, host: str, port: int, log_level: str = "warning") -
 
 def _offset_port(endpoint: str, offset: int) -> str:
     """``tcp://*:5557`` + 2 → ``tcp://*:5559`` (binding endpoints only; others unchanged)."""
-    from engines.sim.kv_events import binds
+    from kvgate.engines.sim.core.kv_events import binds
 
     base, sep, port = endpoint.rpartition(":")
     if offset == 0 or not binds(endpoint) or not sep or not port.isdigit():
@@ -138,7 +138,7 @@ def _offset_port(endpoint: str, offset: int) -> str:
 def child_argv(args: argparse.Namespace, index: int) -> list[str]:
     """The ``python -m engines.sim`` command line of engine ``index`` of ``--count``."""
     port = args.port + index
-    argv = [sys.executable, "-m", "engines.sim", "--host", args.host, "--port", str(port),
+    argv = [sys.executable, "-m", "kvgate.engines.sim", "--host", args.host, "--port", str(port),
             "--engine-id", f"{args.engine_id}-{index}" if args.engine_id else f"sim-{port}"]
     for name in args.model or []:
         argv += ["--model", name]
@@ -205,7 +205,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m engines.sim``."""
-    parser = argparse.ArgumentParser(prog="python -m engines.sim",
+    parser = argparse.ArgumentParser(prog="python -m kvgate.engines.sim",
                                      description="a simulated vLLM-compatible engine")
     add_sim_arguments(parser)
     args = parser.parse_args(argv)

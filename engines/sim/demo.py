@@ -13,13 +13,13 @@ import sys
 import uvicorn
 import uvloop
 
-from engines.ports import free_port
-from engines.sim.config import KvEventsConfig, SimConfig
-from engines.sim.testing import serve_sim
-from middleware.app import create_app
-from middleware.cli import configure_logging
-from middleware.config import GatewayConfig
-from middleware.quickstart import QuickStart, quick_start_config
+from kvgate.engines.ports import free_port
+from kvgate.engines.sim.core.config import KvEventsConfig, SimConfig
+from kvgate.engines.sim.testing import serve_sim
+from kvgate.middleware.app import create_app
+from kvgate.middleware.cli import configure_logging
+from kvgate.middleware.framework.config import GatewayConfig
+from kvgate.middleware.quickstart import QuickStart, quick_start_config
 
 log = logging.getLogger("kvgate.demo")
 

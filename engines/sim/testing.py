@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import uvicorn
 from starlette.applications import Starlette
 
-from engines.sim.app import create_sim_app, sim_handles
-from engines.sim.config import SimConfig
-from engines.sim.engine import SimEngine
-from engines.sim.faults import FaultState
+from kvgate.engines.sim.core.config import SimConfig
+from kvgate.engines.sim.core.engine import SimEngine
+from kvgate.engines.sim.core.faults import FaultState
+from kvgate.engines.sim.http.app import create_sim_app, sim_handles
 
 #: How long startup may take before :func:`serve_sim` gives up, in seconds.
 STARTUP_TIMEOUT_S = 10.0

@@ -1,4 +1,4 @@
-"""Every API adapter registered in ``kvgate.apis`` keeps the contract of middleware/api.py."""
+"""Every API adapter registered in ``kvgate.apis`` keeps the contract of middleware/framework/api.py."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from middleware.api import ApiAdapter, UsageTap, is_by_id
-from middleware.errors import BadRequest, NoEndpointAvailable, NotFound
-from middleware.gateway import ApiRoutes
-from middleware.registry import load_apis
+from kvgate.middleware.framework.api import ApiAdapter, UsageTap, is_by_id
+from kvgate.middleware.framework.errors import BadRequest, NoEndpointAvailable, NotFound
+from kvgate.middleware.framework.registry import load_apis
+from kvgate.middleware.serving.gateway import ApiRoutes
 
 APIS = sorted(load_apis().items())
 

@@ -15,10 +15,16 @@ from typing import Any
 import pydantic
 import pytest
 
-from middleware.errors import NoEndpointAvailable
-from middleware.plugin import Filter, Picker, Plugin, Scorer, slots_of
-from middleware.registry import Registry
-from middleware.types import Api, CycleState, Endpoint, InferenceRequest, ScoredEndpoint
+from kvgate.middleware.framework.errors import NoEndpointAvailable
+from kvgate.middleware.framework.plugin import Filter, Picker, Plugin, Scorer, slots_of
+from kvgate.middleware.framework.registry import Registry
+from kvgate.middleware.framework.types import (
+    Api,
+    CycleState,
+    Endpoint,
+    InferenceRequest,
+    ScoredEndpoint,
+)
 
 REGISTRY = Registry.from_entry_points()
 TYPES = sorted(REGISTRY.plugins)

@@ -15,10 +15,10 @@ import httpx
 import pytest
 import yaml
 
-from engines.local.fleet import start_fleet
-from engines.local.launcher import LocalEngine, stop
-from engines.local.model import ensure_model
-from engines.ports import free_port
+from kvgate.engines.local.fleet import start_fleet
+from kvgate.engines.local.launcher import LocalEngine, stop
+from kvgate.engines.local.model import ensure_model
+from kvgate.engines.ports import free_port
 
 KVGATE = str(Path(sys.executable).with_name("kvgate"))
 

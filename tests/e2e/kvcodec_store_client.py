@@ -1,6 +1,6 @@
 """Real K/V through a real Mooncake Store with the codec's :class:`CodecStore`; run it with the
 ENGINE venv's python (torch), ``PYTHONPATH`` holding only ``engines/kvcodec``
-(engines.kvcodec.venv.engine_side_path), and the Mooncake venv's site-packages as an argument
+(kvgate.engines.kvcodec.venv.engine_side_path), and the Mooncake venv's site-packages as an argument
 (appended to ``sys.path``: both venvs come from the same base interpreter, the engine venv's
 packages win). The store is configured like LMCache's connector by mooncake_store_client.py.
 
@@ -37,13 +37,13 @@ def emit(data: dict[str, Any]) -> None:
 def main(argv: list[str]) -> int:
     mode, site, extra, block_values = argv[1], argv[2], json.loads(argv[3]), int(argv[4])
     sys.path.append(site)
-    from engines.kvcodec.store import CodecStore
+    from kvgate.engines.kvcodec.store import CodecStore
 
     # The sibling script (this script's folder is sys.path[0]); it imports mooncake.store.
     raw_store = importlib.import_module("mooncake_store_client").connect(extra)
     store = CodecStore(raw_store, block_values=block_values)
     if mode == "hold":
-        from engines.kvcodec.realkv import capture
+        from kvgate.engines.kvcodec.measure.realkv import capture
 
         report = {}
         for name, tensor in capture(windows=1).items():

@@ -38,7 +38,7 @@ import httpx
 import openai
 import pytest
 
-from engines.local.launcher import (
+from kvgate.engines.local.launcher import (
     LocalEngine,
     engine_args,
     engine_env,
@@ -46,9 +46,9 @@ from engines.local.launcher import (
     stop,
     wait_healthy,
 )
-from engines.local.model import SERVED_NAME
-from engines.local.paths import kvgate_home
-from pricing.records import LedgerRecord
+from kvgate.engines.local.model import SERVED_NAME
+from kvgate.engines.local.paths import kvgate_home
+from kvgate.pricing.records import LedgerRecord
 from tests.e2e.conftest import KVGATE
 from tests.integration.billing_helpers import (
     Keys,
@@ -259,8 +259,8 @@ PARITY: list[tuple[str, str, str, Any]] = [
 async def test_simulator_answers_like_the_real_engine(agent_fleet: list[LocalEngine]) -> None:
     """Every agent route: the same status, JSON structure and SSE event sequence from the
     simulator as from real vLLM 0.32 (text and counts aside)."""
-    from engines.sim.config import SimConfig
-    from engines.sim.testing import serve_sim
+    from kvgate.engines.sim.core.config import SimConfig
+    from kvgate.engines.sim.testing import serve_sim
 
     cfg = SimConfig(served_model_names=[SERVED_NAME], block_size=BLOCK, max_model_len=4096,
                     capacity_blocks=128, time_scale=0)

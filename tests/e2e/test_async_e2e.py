@@ -16,9 +16,9 @@ from typing import Any
 import openai
 import pytest
 
-from engines.local.launcher import LocalEngine
-from engines.local.model import SERVED_NAME
-from pricing.backends import open_backend
+from kvgate.engines.local.launcher import LocalEngine
+from kvgate.engines.local.model import SERVED_NAME
+from kvgate.pricing.backends.base import open_backend
 from tests.e2e.conftest import kvgate_serve, precise_plugins
 from tests.integration.billing_helpers import ALL, Keys, write_keys
 

@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
-from engines.local.launcher import LocalEngine
-from engines.local.model import SERVED_NAME
-from pricing.records import LedgerRecord
+from kvgate.engines.local.launcher import LocalEngine
+from kvgate.engines.local.model import SERVED_NAME
+from kvgate.pricing.records import LedgerRecord
 from tests.e2e.conftest import KVGATE, kvgate_serve, precise_plugins
 from tests.integration.billing_helpers import (
     Keys,

@@ -22,7 +22,7 @@ apart), so the second run cannot reuse the first run's blocks.
 
 Then kvgate restarts (a fresh process with an empty index; its placement state, session pins
 and cache pressure, comes back from the routing-state file its predecessor wrote at shutdown,
-middleware/routing_state.py) and the sessions go on for ``RESTART_TURNS`` more turns. The first
+middleware/serving/routing_state.py) and the sessions go on for ``RESTART_TURNS`` more turns. The first
 turn after the restart goes to the engine its restored pin names, taken to hold what the session
 sent it; the engines' KV events name parents the new gateway never saw, it re-keys them from
 the prompts it routes (``kvgate_kv_index_resolved_orphans``) and learns the rest from the
@@ -44,11 +44,11 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines.local.launcher import LocalEngine
-from engines.local.model import SERVED_NAME
-from middleware.types import Endpoint
-from plugins.session_affinity import hrw_order, session_key
-from plugins.tokenization import HfBackend
+from kvgate.engines.local.launcher import LocalEngine
+from kvgate.engines.local.model import SERVED_NAME
+from kvgate.middleware.framework.types import Endpoint
+from kvgate.plugins.load.session_affinity import hrw_order, session_key
+from kvgate.plugins.prefix.tokenizer import HfBackend
 from tests.e2e.conftest import kvgate_serve
 
 pytestmark = pytest.mark.e2e

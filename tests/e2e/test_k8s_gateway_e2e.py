@@ -21,9 +21,9 @@ import httpx
 import pytest
 import yaml
 
-from engines.deploy import load_fleet
-from engines.deploy_k8s import manifests
-from plugins.keys_model import hash_key, new_key
+from kvgate.engines.deploy.k8s import manifests
+from kvgate.engines.deploy.render import load_fleet
+from kvgate.plugins.tenancy.keys_model import hash_key, new_key
 from tests.servers import REDIS_SERVER, RedisServer, free_port, running_process
 
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server not installed")

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 
-from plugins.keys_model import hash_key, new_key
+from kvgate.plugins.tenancy.keys_model import hash_key, new_key
 from tests.servers import REDIS_SERVER, RedisServer, free_port, wait_ready
 
 KVGATE = str(Path(sys.executable).with_name("kvgate"))
@@ -107,7 +107,7 @@ def test_revoke_on_one_replica_is_refused_by_all_within_2s(tmp_path: Path) -> No
     with contextlib.ExitStack() as stack:
         stack.callback(redis.stop)
         stack.enter_context(_started([
-            ([sys.executable, "-m", "engines.sim", "--port", str(port), "--time-scale", "0"],
+            ([sys.executable, "-m", "kvgate.engines.sim", "--port", str(port), "--time-scale", "0"],
              f"http://127.0.0.1:{port}/health", tmp_path / f"sim{i}.log")
             for i, port in enumerate(sims)]))
         stack.enter_context(_started([

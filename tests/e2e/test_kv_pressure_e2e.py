@@ -28,8 +28,8 @@ import pytest
 from bench import agentic, venvs
 from bench.agentic_ideal import RunSummary
 from bench.kv_pressure import RunResult, fleet_of, run_one, table, token_counter
-from engines.local.fleet import start_fleet
-from engines.local.launcher import LocalEngine, stop
+from kvgate.engines.local.fleet import start_fleet
+from kvgate.engines.local.launcher import LocalEngine, stop
 
 pytestmark = pytest.mark.e2e
 

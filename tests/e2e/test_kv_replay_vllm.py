@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from engines.local.venv import ensure_engine_venv
-from engines.ports import free_port
-from middleware.types import Endpoint
-from plugins.kv_events import KvEventsSubscriber
+from kvgate.engines.local.venv import ensure_engine_venv
+from kvgate.engines.ports import free_port
+from kvgate.middleware.framework.types import Endpoint
+from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
 from tests.unit.routing.helpers import NoLookup, frames, stored
 
 pytestmark = pytest.mark.e2e

@@ -28,8 +28,8 @@ import pytest
 from bench import agentic, venvs
 from bench.kv_pressure import fleet_of, token_counter, warm_up
 from bench.kv_steady import DEV_MODE_ENV, Cell, line, run_sequence, sequence, table
-from engines.local.fleet import start_fleet
-from engines.local.launcher import LocalEngine, stop
+from kvgate.engines.local.fleet import start_fleet
+from kvgate.engines.local.launcher import LocalEngine, stop
 
 pytestmark = pytest.mark.e2e
 

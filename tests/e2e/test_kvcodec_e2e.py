@@ -75,7 +75,7 @@ def test_edge_cases_agree_byte_for_byte_and_round_trip(
 
 def test_kernels_compile_for_an_h100_without_one(report: dict[str, Any]) -> None:
     """The interpreter accepts code the compiler rejects: Triton's full pipeline down to a cubin
-    for sm_90 must succeed for every kernel (engines.kvcodec.aot)."""
+    for sm_90 must succeed for every kernel (kvgate.engines.kvcodec.aot)."""
     aot = report["triton_compile"]
     assert aot["arch"] == "sm_90"
     assert set(aot["kernels"]) == {"split", "merge", "encode", "decode"}

@@ -29,15 +29,15 @@ from typing import Any
 import pytest
 import yaml
 
-from engines.kvcodec.venv import engine_env, engine_side_path, ensure_codec_env
-from engines.local.mooncake import (
+from kvgate.engines.kvcodec.venv import engine_env, engine_side_path, ensure_codec_env
+from kvgate.engines.local.mooncake import (
     MasterAddress,
     ensure_mooncake_venv,
     mooncake_venv,
     running_master,
     stop_process,
 )
-from engines.ports import free_port
+from kvgate.engines.ports import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -228,7 +228,7 @@ def codec_python() -> Path:
 def test_codec_store_round_trips_real_kv_through_the_store(
         rendered: tuple[dict[str, Any], Path], master: MasterAddress, mooncake_python: Path,
         codec_python: Path, tmp_path: Path) -> None:
-    """engines.kvcodec.store.CodecStore over the rendered configs: prefill-0 puts real K/V
+    """kvgate.engines.kvcodec.store.CodecStore over the rendered configs: prefill-0 puts real K/V
     (encoded), decode-0 gets and decodes it in another process: same bits, fewer bytes."""
     _, out = rendered
     site = str(next((mooncake_venv() / "lib").glob("python*/site-packages")))

@@ -34,10 +34,10 @@ from typing import IO, Any
 import aiohttp
 import pytest
 
-from engines.connectors import MooncakeParams, VllmMooncakeConnector, transfer_id
-from engines.local.paths import engine_python
-from middleware.connector import HopContext
-from middleware.types import Api, Endpoint, InferenceRequest, Role
+from kvgate.engines.connectors import MooncakeParams, VllmMooncakeConnector, transfer_id
+from kvgate.engines.local.paths import engine_python
+from kvgate.middleware.framework.connector import HopContext
+from kvgate.middleware.framework.types import Api, Endpoint, InferenceRequest, Role
 
 pytestmark = pytest.mark.e2e
 

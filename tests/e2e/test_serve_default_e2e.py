@@ -31,8 +31,8 @@ from bench import agentic, procs, venvs
 from bench.agentic_ideal import chain
 from bench.agentic_systems import KVGATE, SYSTEMS, running
 from bench.kv_pressure import fleet_of, token_counter
-from engines.local.launcher import LocalEngine
-from engines.local.model import SERVED_NAME
+from kvgate.engines.local.launcher import LocalEngine
+from kvgate.engines.local.model import SERVED_NAME
 
 pytestmark = pytest.mark.e2e
 

@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 import pytest
 
-from engines.local.launcher import LocalEngine
-from engines.local.model import SERVED_NAME
-from plugins.cache_salt import derive_salt, tenant_scope
-from plugins.gateway_secret import CACHE_SALT_PURPOSE, load_secret
+from kvgate.engines.local.launcher import LocalEngine
+from kvgate.engines.local.model import SERVED_NAME
+from kvgate.plugins.tenancy.cache_salt import derive_salt, tenant_scope
+from kvgate.plugins.tenancy.gateway_secret import CACHE_SALT_PURPOSE, load_secret
 from tests.e2e.conftest import kvgate_serve, precise_plugins
 from tests.integration.billing_helpers import Keys, write_keys
 

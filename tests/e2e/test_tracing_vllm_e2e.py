@@ -12,12 +12,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engines.local.launcher import LocalEngine, engine_args, engine_env, stop, wait_healthy
-from engines.local.model import SERVED_NAME
-from engines.local.paths import kvgate_home
-from engines.ports import free_port
-from middleware.app import create_app
-from middleware.config import parse_config
+from kvgate.engines.local.launcher import LocalEngine, engine_args, engine_env, stop, wait_healthy
+from kvgate.engines.local.model import SERVED_NAME
+from kvgate.engines.local.paths import kvgate_home
+from kvgate.engines.ports import free_port
+from kvgate.middleware.app import create_app
+from kvgate.middleware.framework.config import parse_config
 from tests.integration.conftest import gateway_config
 from tests.integration.otlp_collector import Collector
 from tests.servers import serve_asgi

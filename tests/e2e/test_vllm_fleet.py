@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from engines.local.launcher import LocalEngine, stop
-from engines.local.model import SERVED_NAME
+from kvgate.engines.local.launcher import LocalEngine, stop
+from kvgate.engines.local.model import SERVED_NAME
 from tests.e2e.conftest import kvgate_serve, precise_plugins
 
 pytestmark = pytest.mark.e2e

@@ -11,9 +11,9 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from asyncq.api import TERMINAL, Job, JobListener, JobResult, JobSpec, JobState
-from middleware.errors import Unauthorized
-from middleware.types import Principal
+from kvgate.asyncq.api import TERMINAL, Job, JobListener, JobResult, JobSpec, JobState
+from kvgate.middleware.framework.errors import Unauthorized
+from kvgate.middleware.framework.types import Principal
 
 Handler = Callable[[JobSpec], Awaitable[JobResult]]
 

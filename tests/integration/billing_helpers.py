@@ -13,11 +13,11 @@ from typing import Any
 
 import yaml
 
-from middleware.app import KvgateApp
-from plugins.auth import hash_key, new_key
-from plugins.billing import Billing
-from pricing.backends import open_backend
-from pricing.records import LedgerRecord
+from kvgate.middleware.app import KvgateApp
+from kvgate.plugins.billing.plugin import Billing
+from kvgate.plugins.tenancy.auth import hash_key, new_key
+from kvgate.pricing.backends.base import open_backend
+from kvgate.pricing.records import LedgerRecord
 from tests.integration.conftest import gateway_config
 
 #: Workers AI's Kimi K2.5 prices, USD per million tokens (the issue's reference).

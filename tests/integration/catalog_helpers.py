@@ -14,8 +14,8 @@ import httpx
 import pytest
 import yaml
 
-from engines.sim.testing import RunningSim
-from middleware.app import KvgateApp
+from kvgate.engines.sim.testing import RunningSim
+from kvgate.middleware.app import KvgateApp
 from tests.integration.billing_helpers import Keys, write_keys
 from tests.integration.conftest import gateway, gateway_config, serve_gateway, sim_fleet
 from tests.integration.fake_providers import FakeProvider, anthropic_app, openai_app, serve

@@ -12,14 +12,14 @@ from typing import Any
 import httpx
 import pytest
 
-from engines.sim.config import SimConfig
-from engines.sim.testing import RunningSim, serve_sim
-from middleware.app import KvgateApp, create_app
-from middleware.cli import HTTP_FRONTS
-from middleware.config import parse_config
+from kvgate.engines.sim.core.config import SimConfig
+from kvgate.engines.sim.testing import RunningSim, serve_sim
+from kvgate.middleware.app import KvgateApp, create_app
+from kvgate.middleware.cli import HTTP_FRONTS
+from kvgate.middleware.framework.config import parse_config
 from tests.servers import REDIS_SERVER, RedisServer, serve_asgi
 
-#: The HTTP/1.1 front end ``kvgate serve`` runs (middleware/h1server.py), for ``serve_gateway``.
+#: The HTTP/1.1 front end ``kvgate serve`` runs (middleware/transport/h1server.py), for ``serve_gateway``.
 KVGATE_FRONT = HTTP_FRONTS["kvgate"]
 FAST_POOL = {"health_interval_s": 0.1, "metrics_interval_s": 0.1, "health_timeout_s": 1.0,
              "unhealthy_after": 1}

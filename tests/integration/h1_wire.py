@@ -1,5 +1,5 @@
 """Raw-socket helpers for fuzzing the HTTP/1.1 front end ``kvgate serve`` runs
-(middleware/h1server.py): a real ``kvgate serve`` process and a simulated engine
+(middleware/transport/h1server.py): a real ``kvgate serve`` process and a simulated engine
 (:func:`served_gateway`), one exchange of raw bytes (:func:`exchange`), and the check that what
 came back is a sequence of valid HTTP responses, read with httptools' response parser
 (:func:`responses`)."""
@@ -121,7 +121,7 @@ def served_gateway(tmp: Path, **server: Any) -> Iterator[tuple[int, Path]]:
     """A simulated engine process and ``kvgate serve --config`` (its ``server`` section
     ``server``) in front of it: yields the gateway's port and its log file."""
     sim_port, port = free_port(), free_port()
-    sim = [sys.executable, "-m", "engines.sim", "--port", str(sim_port), "--engine-id",
+    sim = [sys.executable, "-m", "kvgate.engines.sim", "--port", str(sim_port), "--engine-id",
            "sim-0", "--time-scale", "0", "--log-level", "warning"]
     config = tmp / "kvgate.yaml"
     config.write_text(yaml.safe_dump(gateway_config(

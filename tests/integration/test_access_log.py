@@ -1,4 +1,4 @@
-"""The access log (middleware/access_log.py): exactly one JSON line per API request, on every
+"""The access log (middleware/observe/access_log.py): exactly one JSON line per API request, on every
 path, with the request's fields and never a secret (the API key, the raw session id)."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from engines.sim.faults import FaultSpec
-from engines.sim.testing import RunningSim
-from middleware.access_log import LOGGER, AccessLog, install_handler
-from middleware.config import AccessLogConfig
-from middleware.quickstart import pd_config_data
+from kvgate.engines.sim.core.faults import FaultSpec
+from kvgate.engines.sim.testing import RunningSim
+from kvgate.middleware.framework.config import AccessLogConfig
+from kvgate.middleware.observe.access_log import LOGGER, AccessLog, install_handler
+from kvgate.middleware.quickstart import pd_config_data
 from tests.integration.billing_helpers import Keys, billing_config, write_keys
 from tests.integration.conftest import FAST_POOL, gateway, serve_gateway, sim_fleet
 
@@ -149,8 +149,8 @@ async def test_client_disconnect_is_one_499_line(caplog: pytest.LogCaptureFixtur
 
 
 async def test_two_hops_name_both_engines(caplog: pytest.LogCaptureFixture) -> None:
-    from engines.sim.config import PdSimConfig, SimConfig
-    from engines.sim.testing import serve_sim
+    from kvgate.engines.sim.core.config import PdSimConfig, SimConfig
+    from kvgate.engines.sim.testing import serve_sim
 
     caplog.set_level(logging.INFO, logger=LOGGER)
     pd = PdSimConfig(bootstrap_port=0)
@@ -200,8 +200,8 @@ async def test_disabled_writes_nothing_and_file_handler_writes_json(
 
 @pytest.mark.parametrize("bad", [{"enabled": "maybe"}, {"path": ""}, {"file": "x"}])
 def test_access_log_config_is_strict(bad: dict[str, Any]) -> None:
-    from middleware.config import parse_config
-    from middleware.errors import ConfigError
+    from kvgate.middleware.framework.config import parse_config
+    from kvgate.middleware.framework.errors import ConfigError
 
     with pytest.raises(ConfigError):
         parse_config({"server": {"access_log": bad}, "engines": [{"name": "e", "url": "http://x"}],

@@ -19,15 +19,22 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from apis.openai import ChatCompletions, check_common
-from engines.sim.testing import RunningSim
-from middleware.api import ParsedRequest, SseEvent
-from middleware.app import KvgateApp, create_app
-from middleware.config import parse_config
-from middleware.errors import HTTPError
-from middleware.plugin import CompletionHook, Plugin, UsageHook
-from middleware.registry import Registry, load_apis
-from middleware.types import CycleState, Endpoint, InferenceRequest, Outcome, TextPrompt, Usage
+from kvgate.apis.openai import ChatCompletions, check_common
+from kvgate.engines.sim.testing import RunningSim
+from kvgate.middleware.app import KvgateApp, create_app
+from kvgate.middleware.framework.api import ParsedRequest, SseEvent
+from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.errors import HTTPError
+from kvgate.middleware.framework.plugin import CompletionHook, Plugin, UsageHook
+from kvgate.middleware.framework.registry import Registry, load_apis
+from kvgate.middleware.framework.types import (
+    CycleState,
+    Endpoint,
+    InferenceRequest,
+    Outcome,
+    TextPrompt,
+    Usage,
+)
 from tests.integration.billing_helpers import billing_config, ledger_list, write_keys
 from tests.integration.conftest import gateway, gateway_config, serve_gateway, sim_fleet
 from tests.servers import serve_asgi

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from engines.sim.testing import RunningSim
-from middleware.app import KvgateApp, create_app
-from middleware.config import parse_config
-from middleware.errors import ConfigError
+from kvgate.engines.sim.testing import RunningSim
+from kvgate.middleware.app import KvgateApp, create_app
+from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.errors import ConfigError
 from tests.integration.conftest import gateway, gateway_config
 
 INLINE_SYSTEM: dict[str, Any] = {

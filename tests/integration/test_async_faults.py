@@ -21,10 +21,10 @@ import httpx
 import pytest
 import yaml
 
-from asyncq.api import JobState
-from engines.sim.faults import FaultSpec
-from middleware.app import KvgateApp, create_app
-from middleware.config import parse_config
+from kvgate.asyncq.api import JobState
+from kvgate.engines.sim.core.faults import FaultSpec
+from kvgate.middleware.app import KvgateApp, create_app
+from kvgate.middleware.framework.config import parse_config
 from tests.asyncq_helpers import PersistentRedis, until
 from tests.integration.billing_helpers import PRICES_YAML, write_keys
 from tests.integration.conftest import DEFAULT_PROFILE, FAST_POOL, gateway_config, sim_fleet
@@ -86,7 +86,7 @@ async def _submit(url: str, auth: dict[str, str]) -> list[str]:
 def test_sigkill_mid_queue_every_job_one_result_and_one_record(tmp_path: Path) -> None:
     keys = write_keys(tmp_path)
     ports = [free_port() for _ in range(3)]
-    sims = [[sys.executable, "-m", "engines.sim", "--port", str(p), "--time-scale", "1"]
+    sims = [[sys.executable, "-m", "kvgate.engines.sim", "--port", str(p), "--time-scale", "1"]
             for p in ports[:2]]
     config = _serve_config(tmp_path, [f"http://127.0.0.1:{p}" for p in ports[:2]], keys.path)
     serve = [KVGATE, "serve", "--config", str(config), "--port", str(ports[2])]

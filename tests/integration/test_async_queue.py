@@ -17,13 +17,13 @@ import httpx
 import openai
 import pytest
 
-from asyncq.api import Job, JobState
-from asyncq.plugin import AsyncQueue
-from asyncq.store_sqlite import SqliteJobStore
-from engines.sim.faults import FaultSpec
-from engines.sim.testing import RunningSim
-from middleware.app import KvgateApp, create_app
-from middleware.config import parse_config
+from kvgate.asyncq.api import Job, JobState
+from kvgate.asyncq.plugin import AsyncQueue
+from kvgate.asyncq.store.sqlite_store import SqliteJobStore
+from kvgate.engines.sim.core.faults import FaultSpec
+from kvgate.engines.sim.testing import RunningSim
+from kvgate.middleware.app import KvgateApp, create_app
+from kvgate.middleware.framework.config import parse_config
 from tests.asyncq_helpers import until
 from tests.integration.billing_helpers import Keys, billing_config, ledger_rows, write_keys
 from tests.integration.conftest import sim_fleet

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import yaml
 
-from engines.sim.testing import RunningSim
-from middleware.config import parse_config
-from middleware.errors import ConfigError
-from middleware.pipeline import build_pipeline
-from middleware.registry import Registry
-from plugins.auth import hash_key, load_keys, new_key
+from kvgate.engines.sim.testing import RunningSim
+from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.errors import ConfigError
+from kvgate.middleware.framework.pipeline import build_pipeline
+from kvgate.middleware.framework.registry import Registry
+from kvgate.plugins.tenancy.auth import hash_key, load_keys, new_key
 from tests.integration.conftest import gateway, gateway_config, serve_gateway
 
 CHAT: dict[str, Any] = {"model": "sim-model", "max_tokens": 2,
@@ -181,7 +181,7 @@ async def test_x_api_key(fleet: list[RunningSim], tmp_path: Path, monkeypatch: p
                          status: int) -> None:
     """``x-api-key`` authenticates like ``Authorization: Bearer`` on every API; both naming
     different keys is a 401 saying so; the header never reaches plugins."""
-    from plugins.auth import ApiKeys
+    from kvgate.plugins.tenancy.auth import ApiKeys
 
     seen: list[dict[str, str]] = []
     original = ApiKeys.on_request

@@ -1,4 +1,4 @@
-"""The management plane (asyncq/mgmt.py) in-process: the real ``openai`` SDK over httpx's
+"""The management plane (asyncq/batch/mgmt.py) in-process: the real ``openai`` SDK over httpx's
 ASGITransport against the FastAPI app, jobs run by a small in-memory queue
 (tests/integration/batch_helpers.py). Shapes, validation, tenant scoping, cancel, expiry,
 finalisation after a restart and by two racing processes, upload limits."""
@@ -20,9 +20,9 @@ import orjson
 import pytest
 from fastapi import FastAPI
 
-from asyncq.api import JobResult, JobSpec
-from asyncq.batch_lines import job_id, validate_lines
-from asyncq.mgmt import ManagementSettings, build_management_app, plane_of
+from kvgate.asyncq.api import JobResult, JobSpec
+from kvgate.asyncq.batch.lines import job_id, validate_lines
+from kvgate.asyncq.batch.mgmt import ManagementSettings, build_management_app, plane_of
 from tests.integration.batch_helpers import MemoryQueue
 
 CHAT: Final = "/v1/chat/completions"
@@ -316,7 +316,7 @@ async def test_an_interrupted_validation_is_resumed_without_duplicates(tmp_path:
         async def submit(self, specs: Any) -> int:
             Flaky.calls += 1
             if Flaky.calls == 2:  # the queue fails half-way through the batch
-                from asyncq.api import QueueUnavailable
+                from kvgate.asyncq.api import QueueUnavailable
                 raise QueueUnavailable("store down")
             return await super().submit(specs)
 

@@ -143,7 +143,7 @@ def sims(tmp_path: Path) -> Iterator[list[int]]:
     with contextlib.ExitStack() as stack:
         for i, port in enumerate(ports):
             stack.enter_context(process(
-                [sys.executable, "-m", "engines.sim", "--port", str(port), "--time-scale",
+                [sys.executable, "-m", "kvgate.engines.sim", "--port", str(port), "--time-scale",
                  "1", "--seed", str(i)], port, tmp_path / f"sim{i}.log", tmp_path))
         yield ports
 

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
-from engines.sim.testing import RunningSim
-from middleware.cli import main
+from kvgate.engines.sim.testing import RunningSim
+from kvgate.middleware.cli import main
 from tests.integration.billing_helpers import (
     billing_config,
     expected_cost,

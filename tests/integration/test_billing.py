@@ -14,11 +14,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from engines.sim.faults import FaultSpec
-from middleware.config import parse_config, with_billing
-from middleware.errors import ConfigError
-from middleware.quickstart import config_from_engines
-from pricing.spool import SpoolError
+from kvgate.engines.sim.core.faults import FaultSpec
+from kvgate.middleware.framework.config import parse_config, with_billing
+from kvgate.middleware.framework.errors import ConfigError
+from kvgate.middleware.quickstart import config_from_engines
+from kvgate.pricing.spool import SpoolError
 from tests.integration.billing_helpers import (
     Keys,
     billing_config,

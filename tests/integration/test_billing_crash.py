@@ -18,7 +18,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from pricing.backends import open_backend
+from kvgate.pricing.backends.base import open_backend
 from tests.integration.billing_helpers import (
     ALL,
     PRICES_YAML,
@@ -106,7 +106,7 @@ def test_sigkill_mid_load_loses_no_completed_request(tmp_path: Path, db_locked: 
     prices.write_text(PRICES_YAML)
     db = tmp_path / "ledger.sqlite"
     ports = [free_port() for _ in range(3)]
-    sims = [[sys.executable, "-m", "engines.sim", "--port", str(p), "--time-scale", "1"]
+    sims = [[sys.executable, "-m", "kvgate.engines.sim", "--port", str(p), "--time-scale", "1"]
             for p in ports[:2]]
     serve = [KVGATE, "serve", *(a for p in ports[:2] for a in ("--engine",
                                                                f"http://127.0.0.1:{p}")),

@@ -20,8 +20,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from middleware.cli import main as kvgate_main
-from pricing.records import LedgerRecord
+from kvgate.middleware.cli import main as kvgate_main
+from kvgate.pricing.records import LedgerRecord
 from tests.integration.billing_helpers import (
     Keys,
     billing_config,

@@ -10,10 +10,10 @@ from typing import Any
 
 import httpx
 
-from engines.ports import free_port
-from engines.sim.demo import cache_aware_config, sim_config
-from engines.sim.testing import RunningSim, serve_sim
-from middleware.app import KvgateApp, create_app
+from kvgate.engines.ports import free_port
+from kvgate.engines.sim.demo import cache_aware_config, sim_config
+from kvgate.engines.sim.testing import RunningSim, serve_sim
+from kvgate.middleware.app import KvgateApp, create_app
 
 
 @contextlib.asynccontextmanager

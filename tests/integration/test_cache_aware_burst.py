@@ -17,11 +17,11 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from engines.ports import free_port
-from engines.sim.demo import cache_aware_config, sim_config
-from engines.sim.testing import serve_sim
-from middleware.app import create_app
-from middleware.config import GatewayConfig
+from kvgate.engines.ports import free_port
+from kvgate.engines.sim.demo import cache_aware_config, sim_config
+from kvgate.engines.sim.testing import serve_sim
+from kvgate.middleware.app import create_app
+from kvgate.middleware.framework.config import GatewayConfig
 
 SYSTEM = "You are the archivist of the northern library. " + "shelf ledger entry " * 700
 BURST = 6

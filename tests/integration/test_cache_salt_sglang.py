@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from engines.sim.testing import RunningSim
+from kvgate.engines.sim.testing import RunningSim
 from tests.integration.billing_helpers import Keys, write_keys
 from tests.integration.conftest import gateway, gateway_config
 

@@ -20,7 +20,7 @@ KVGATE = str(Path(sys.executable).with_name("kvgate"))
 @pytest.fixture(scope="module")
 def served() -> Iterator[str]:
     sim_port, gw_port = free_port(), free_port()
-    sim = [sys.executable, "-m", "engines.sim", "--port", str(sim_port), "--time-scale", "0"]
+    sim = [sys.executable, "-m", "kvgate.engines.sim", "--port", str(sim_port), "--time-scale", "0"]
     gw = [KVGATE, "serve", "--engine", f"http://127.0.0.1:{sim_port}", "--port", str(gw_port)]
     with running_process(sim, f"http://127.0.0.1:{sim_port}/health"), \
             running_process(gw, f"http://127.0.0.1:{gw_port}/health"):

@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
-from engines.sim.faults import FaultSpec
-from engines.sim.testing import RunningSim
-from middleware.app import KvgateApp
-from middleware.redact import MAX_MESSAGE_CHARS
+from kvgate.engines.sim.core.faults import FaultSpec
+from kvgate.engines.sim.testing import RunningSim
+from kvgate.middleware.app import KvgateApp
+from kvgate.middleware.observe.redact import MAX_MESSAGE_CHARS
 from tests.integration.billing_helpers import Keys, write_keys
 from tests.integration.conftest import gateway, gateway_config, sim_fleet
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import aiohttp
 import pytest
 
-from middleware.cli import HTTP_FRONTS
+from kvgate.middleware.cli import HTTP_FRONTS
 from tests.integration.conftest import gateway_config, serve_gateway, sim_fleet
 
 
@@ -24,7 +24,7 @@ async def _wait(predicate: Callable[[], bool], limit_s: float = 5.0) -> None:
 @pytest.mark.parametrize("stream", [True, False])
 async def test_client_disconnect_aborts_engine_request(stream: bool, front: str) -> None:
     """Through both HTTP fronts of ``kvgate serve``: kvgate's own tells the dispatcher of the
-    disconnect by callback (middleware/asgi.py ``DisconnectSource``), uvicorn's through
+    disconnect by callback (middleware/transport/asgi.py ``DisconnectSource``), uvicorn's through
     ``receive``."""
     # time_scale 1: a 2,000-token answer takes ~10 s on the simulated H100, so it is still
     # running when the client goes away

@@ -12,12 +12,10 @@ import httpx
 import pytest
 from pydantic import BaseModel
 
-from middleware.app import KvgateApp, create_app
-from middleware.asgi import Receive, Scope, Send, send_json
-from middleware.config import parse_config
-from middleware.errors import ConfigError
-from middleware.loopback import Loopback
-from middleware.plugin import (
+from kvgate.middleware.app import KvgateApp, create_app
+from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.errors import ConfigError
+from kvgate.middleware.framework.plugin import (
     AsgiApp,
     AsgiMount,
     Deferred,
@@ -29,8 +27,16 @@ from middleware.plugin import (
     StateResolver,
     UsageHook,
 )
-from middleware.registry import Registry
-from middleware.types import CycleState, Endpoint, InferenceRequest, Principal, Usage
+from kvgate.middleware.framework.registry import Registry
+from kvgate.middleware.framework.types import (
+    CycleState,
+    Endpoint,
+    InferenceRequest,
+    Principal,
+    Usage,
+)
+from kvgate.middleware.serving.loopback import Loopback
+from kvgate.middleware.transport.asgi import Receive, Scope, Send, send_json
 from tests.integration.conftest import gateway_config, sim_fleet
 
 CHAT: dict[str, Any] = {"model": "sim-model", "max_tokens": 3,

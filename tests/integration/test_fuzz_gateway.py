@@ -5,7 +5,7 @@ never a crash of kvgate's own code (500 ``internal_error``); every error in the 
 (OpenAI ``{"error": {...}}``, Anthropic ``{"type": "error", "error": {...}}``); every relayed
 stream ends with ``data: [DONE]`` or the API's error event; and the gateway keeps serving. The
 gateway is served on a loopback port by the HTTP front end ``kvgate serve`` runs
-(middleware/h1server.py), not uvicorn's protocol or ASGITransport.
+(middleware/transport/h1server.py), not uvicorn's protocol or ASGITransport.
 
 Seeded (``derandomize=True``) and small in the suite; ``KVGATE_FUZZ_EXAMPLES`` raises the count
 (``python -m bench.reliability --scenarios fuzz`` does)."""
@@ -28,7 +28,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from plugins.auth import hash_key, new_key
+from kvgate.plugins.tenancy.auth import hash_key, new_key
 from tests.integration.conftest import KVGATE_FRONT, gateway_config, serve_gateway, sim_fleet
 from tests.servers import serve_asgi
 

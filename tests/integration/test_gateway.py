@@ -11,10 +11,10 @@ from typing import Any
 import httpx
 import pytest
 
-from engines.sim.faults import FaultSpec
-from engines.sim.testing import RunningSim
-from middleware.app import KvgateApp, create_app
-from middleware.config import parse_config
+from kvgate.engines.sim.core.faults import FaultSpec
+from kvgate.engines.sim.testing import RunningSim
+from kvgate.middleware.app import KvgateApp, create_app
+from kvgate.middleware.framework.config import parse_config
 from tests.integration.billing_helpers import sse_events
 from tests.integration.conftest import gateway, gateway_config, sim_fleet
 

@@ -1,5 +1,5 @@
-"""HTTP-level fuzz of the front end ``kvgate serve`` ships (middleware/h1server.py with the
-limits of middleware/h1limits.py), as a real process in front of a simulated engine, over raw
+"""HTTP-level fuzz of the front end ``kvgate serve`` ships (middleware/transport/h1server.py with the
+limits of middleware/transport/h1limits.py), as a real process in front of a simulated engine, over raw
 sockets: malformed request lines and heads, request smuggling shapes, oversized and slow
 requests, pipelining, half-closed sockets, and a few hundred seeded random byte mutations of a
 valid request. Every answer must be whole, valid HTTP responses with a status in

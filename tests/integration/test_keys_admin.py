@@ -1,4 +1,4 @@
-"""The key administration API in-process (plugins/keys_admin.py over the api-keys plugin):
+"""The key administration API in-process (plugins/tenancy/keys_admin.py over the api-keys plugin):
 401/403 in OpenAI's shape, every operation through httpx with the openai SDK as the client
 whose key is managed, the secret shown once, a revoke refused at once on the same replica, a
 rotation's grace period, the keys file, the catalog and the price book reloaded on change with
@@ -20,11 +20,11 @@ import openai
 import pytest
 import yaml
 
-from engines.sim.testing import RunningSim
-from middleware.app import KvgateApp
-from plugins.auth import ApiKeys
-from plugins.keys_model import KeyEntry, KeysFile, hash_key, new_key
-from plugins.keys_store import update_file
+from kvgate.engines.sim.testing import RunningSim
+from kvgate.middleware.app import KvgateApp
+from kvgate.plugins.tenancy.auth import ApiKeys
+from kvgate.plugins.tenancy.keys_model import KeyEntry, KeysFile, hash_key, new_key
+from kvgate.plugins.tenancy.keys_store import update_file
 from tests.asyncq_helpers import until
 from tests.integration.conftest import gateway, gateway_config
 
@@ -244,8 +244,8 @@ def test_admin_api_fuzz_no_5xx_and_openai_shaped_errors(tmp_path: Path) -> None:
     import schemathesis
     from hypothesis import HealthCheck, given, settings
 
-    from middleware.app import create_app
-    from middleware.config import parse_config
+    from kvgate.middleware.app import create_app
+    from kvgate.middleware.framework.config import parse_config
 
     async def app_of() -> Any:
         keys = tmp_path / "keys.yaml"
@@ -277,9 +277,9 @@ def test_admin_api_fuzz_no_5xx_and_openai_shaped_errors(tmp_path: Path) -> None:
 async def test_keys_cli_over_the_admin_api(fleet: list[RunningSim], tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str],
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """``kvgate keys`` (middleware.cli.main, in a thread) against the gateway on a real port;
+    """``kvgate keys`` (kvgate.middleware.cli.main, in a thread) against the gateway on a real port;
     the admin key from ``$KVGATE_ADMIN_KEY``."""
-    from middleware.cli import main
+    from kvgate.middleware.cli import main
     from tests.servers import serve_asgi
 
     async def cli(*argv: str) -> tuple[int, str, str]:

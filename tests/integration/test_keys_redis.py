@@ -14,8 +14,8 @@ from typing import Any
 
 import yaml
 
-from engines.sim.testing import RunningSim
-from plugins.keys_model import hash_key, new_key
+from kvgate.engines.sim.testing import RunningSim
+from kvgate.plugins.tenancy.keys_model import hash_key, new_key
 from tests.asyncq_helpers import until
 from tests.integration.conftest import gateway, gateway_config
 from tests.integration.test_keys_admin import ADMIN, USER, Gw

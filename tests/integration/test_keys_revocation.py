@@ -1,4 +1,4 @@
-"""Revocations that survive Redis losing its data (plugins/keys_revoked.py).
+"""Revocations that survive Redis losing its data (plugins/tenancy/keys_revoked.py).
 
 Keys in a real redis-server seeded from each replica's keys file: a key revoked through the
 admin API, and a secret rotated out, stay refused after ``FLUSHALL`` and a restart (which seeds
@@ -19,9 +19,9 @@ import pytest
 import yaml
 from redis import Redis
 
-from engines.sim.testing import RunningSim
-from plugins.keys_model import hash_key
-from plugins.keys_revoked import parse_list
+from kvgate.engines.sim.testing import RunningSim
+from kvgate.plugins.tenancy.keys_model import hash_key
+from kvgate.plugins.tenancy.keys_revoked import parse_list
 from tests.asyncq_helpers import until
 from tests.integration.conftest import gateway, gateway_config
 from tests.integration.test_keys_admin import ADMIN, USER, Gw

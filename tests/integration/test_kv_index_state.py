@@ -15,14 +15,14 @@ from typing import Any
 import httpx
 import pytest
 
-from engines.sim import tokenizer as sim_tokenizer
-from engines.sim.config import KvEventsConfig, SimConfig
-from engines.sim.testing import RunningSim, serve_sim
-from middleware.app import KvgateApp, create_app
-from middleware.config import parse_config
-from middleware.plugin import HealthSource, Plugin
-from middleware.registry import Registry
-from plugins.kv_events import KvEventsSubscriber
+from kvgate.engines.sim.core import tokenizer as sim_tokenizer
+from kvgate.engines.sim.core.config import KvEventsConfig, SimConfig
+from kvgate.engines.sim.testing import RunningSim, serve_sim
+from kvgate.middleware.app import KvgateApp, create_app
+from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.plugin import HealthSource, Plugin
+from kvgate.middleware.framework.registry import Registry
+from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
 from tests.servers import free_port
 
 FAST_POOL = {"health_interval_s": 0.1, "metrics_interval_s": 0.1, "health_timeout_s": 1.0}

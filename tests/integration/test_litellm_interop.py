@@ -24,9 +24,9 @@ import httpx
 import pytest
 import yaml
 
-from middleware.app import KvgateApp
-from plugins.auth import hash_key, new_key
-from pricing.prices import load_book, to_litellm
+from kvgate.middleware.app import KvgateApp
+from kvgate.plugins.tenancy.auth import hash_key, new_key
+from kvgate.pricing.prices import load_book, to_litellm
 from tests.integration.billing_helpers import ledger_rows
 from tests.integration.conftest import gateway_config, serve_gateway, sim_fleet
 from tests.litellm_proxy_venv import ensure_proxy_venv

@@ -1,4 +1,4 @@
-"""Schemathesis over the management app's own /openapi.json (asyncq/mgmt.py): every operation
+"""Schemathesis over the management app's own /openapi.json (asyncq/batch/mgmt.py): every operation
 called with generated inputs -- a bounded, derandomised number of examples -- must never
 answer 5xx, and every error must be in OpenAI's shape."""
 
@@ -11,7 +11,7 @@ from typing import Any
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from asyncq.mgmt import ManagementSettings, build_management_app, plane_of
+from kvgate.asyncq.batch.mgmt import ManagementSettings, build_management_app, plane_of
 from tests.integration.batch_helpers import MemoryQueue
 
 AUTH = {"authorization": "Bearer sk-fuzz"}

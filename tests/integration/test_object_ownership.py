@@ -23,8 +23,8 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from engines.sim.testing import RunningSim
-from middleware.app import KvgateApp
+from kvgate.engines.sim.testing import RunningSim
+from kvgate.middleware.app import KvgateApp
 from tests.asyncq_helpers import until
 from tests.integration.billing_helpers import Keys, billing_config, write_keys
 from tests.integration.conftest import gateway

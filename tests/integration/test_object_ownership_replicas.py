@@ -17,8 +17,8 @@ from pathlib import Path
 
 import httpx
 
-from engines.sim.testing import RunningSim
-from middleware.app import KvgateApp
+from kvgate.engines.sim.testing import RunningSim
+from kvgate.middleware.app import KvgateApp
 from tests.asyncq_helpers import until
 from tests.integration.billing_helpers import Keys, billing_config, write_keys
 from tests.integration.conftest import gateway

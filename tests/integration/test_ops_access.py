@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from engines.sim.testing import RunningSim
+from kvgate.engines.sim.testing import RunningSim
 from tests.integration.billing_helpers import Keys, billing_config, ledger_list, write_keys
 from tests.integration.conftest import gateway, gateway_config
 from tests.servers import free_port, running_process
@@ -140,7 +140,7 @@ def test_serve_admin_port_flag_with_keys(tmp_path: Path) -> None:
     status on /health, the admin port serves both without one."""
     keys = write_keys(tmp_path)
     sim_port, port, admin_port = free_port(), free_port(), free_port()
-    sim = [sys.executable, "-m", "engines.sim", "--port", str(sim_port), "--time-scale", "0"]
+    sim = [sys.executable, "-m", "kvgate.engines.sim", "--port", str(sim_port), "--time-scale", "0"]
     serve = [KVGATE, "serve", "--engine", f"http://127.0.0.1:{sim_port}", "--port", str(port),
              "--keys", str(keys.path), "--prices", str(PRICES), "--ledger",
              f"sqlite:///{tmp_path}/ledger.sqlite", "--admin-port", str(admin_port)]

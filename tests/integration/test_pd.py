@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation end to end on simulated engines: each connector protocol, the
 usage rewrite (JSON and SSE, both decode conventions), engine errors in either hop, fallback.
-The simulators check vLLM 0.32's Mooncake fields as vLLM does (engines/sim/pd.py): a request
+The simulators check vLLM 0.32's Mooncake fields as vLLM does (engines/sim/core/pd.py): a request
 pairs with its prefill only when they are right (drift and failures: test_pd_mooncake.py).
 
 Engines are in-process simulators on loopback ports (time_scale 0); the gateway runs in-process
@@ -20,15 +20,15 @@ import aiohttp
 import httpx
 import pytest
 
-from engines.sim.app import sim_handles
-from engines.sim.config import PdSimConfig, SimConfig
-from engines.sim.faults import FaultSpec
-from engines.sim.pd import PdStats
-from engines.sim.testing import RunningSim, serve_sim
-from middleware.app import KvgateApp
-from middleware.quickstart import pd_config_data
-from plugins.pd_admission import PdAdmission
-from plugins.token_load import TokenLoadScorer
+from kvgate.engines.sim.core.config import PdSimConfig, SimConfig
+from kvgate.engines.sim.core.faults import FaultSpec
+from kvgate.engines.sim.core.pd import PdStats
+from kvgate.engines.sim.http.app import sim_handles
+from kvgate.engines.sim.testing import RunningSim, serve_sim
+from kvgate.middleware.app import KvgateApp
+from kvgate.middleware.quickstart import pd_config_data
+from kvgate.plugins.load.token_load import TokenLoadScorer
+from kvgate.plugins.pd.admission import PdAdmission
 from tests.integration.billing_helpers import PRICES_YAML, ledger_rows, write_keys
 from tests.integration.conftest import FAST_POOL, gateway, serve_gateway
 

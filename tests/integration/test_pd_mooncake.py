@@ -1,4 +1,4 @@
-"""vLLM 0.32's Mooncake protocol end to end on simulated engines (engines/sim/pd.py checks the
+"""vLLM 0.32's Mooncake protocol end to end on simulated engines (engines/sim/core/pd.py checks the
 fields as vLLM does): what happens to a request whose fields drift (the old names, each
 required field missing, an unknown engine id), to a restarted prefill engine, an unreachable
 bootstrap server, and a prefill whose one token is EOS. The valid pairing itself is covered
@@ -15,12 +15,12 @@ import aiohttp
 import httpx
 import pytest
 
-from engines.connectors import VllmMooncakeConnector, bootstrap_address, transfer_id
-from engines.sim.app import sim_handles
-from engines.sim.config import SimConfig
-from engines.sim.pd import PdStats
-from engines.sim.testing import serve_sim
-from plugins.token_load import TokenLoadScorer
+from kvgate.engines.connectors import VllmMooncakeConnector, bootstrap_address, transfer_id
+from kvgate.engines.sim.core.config import SimConfig
+from kvgate.engines.sim.core.pd import PdStats
+from kvgate.engines.sim.http.app import sim_handles
+from kvgate.engines.sim.testing import serve_sim
+from kvgate.plugins.load.token_load import TokenLoadScorer
 from tests.integration.conftest import gateway, serve_gateway
 from tests.integration.test_pd import BOOTSTRAP, _ask, _body, _one_pair, _pd_data, _until
 from tests.servers import free_port

@@ -1,4 +1,4 @@
-"""Every plugin's counters and hook timings reach /metrics (middleware/metrics.py), and the
+"""Every plugin's counters and hook timings reach /metrics (middleware/observe/metrics.py), and the
 Grafana dashboard (docs/grafana/kvgate.json) only queries metrics a gateway exports."""
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines.ports import free_port
-from engines.sim.demo import cache_aware_config, sim_config
-from engines.sim.testing import serve_sim
-from middleware.app import KvgateApp, create_app
-from middleware.config import parse_config
-from middleware.metrics import PluginCounters, counter_holders
-from middleware.plugin import Plugin
+from kvgate.engines.ports import free_port
+from kvgate.engines.sim.demo import cache_aware_config, sim_config
+from kvgate.engines.sim.testing import serve_sim
+from kvgate.middleware.app import KvgateApp, create_app
+from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.plugin import Plugin
+from kvgate.middleware.observe.metrics import PluginCounters, counter_holders
 from tests.integration.billing_helpers import billing_config, write_keys
 from tests.plugin_helpers import make_plugin
 
@@ -32,7 +32,7 @@ HOLDER_NAMES = {"stats", "counts", "counters"}
 
 def _holds_counters(plugin: object) -> set[str]:
     """Public attributes that look like counter holders by name or by class name, found
-    independently of middleware.metrics' structural test."""
+    independently of kvgate.middleware.observe.metrics' structural test."""
     return {name for name, value in vars(plugin).items()
             if name in HOLDER_NAMES or type(value).__name__.endswith(("Stats", "Counts"))}
 

@@ -15,10 +15,10 @@ import httpx
 import pytest
 import yaml
 
-from engines.sim.faults import FaultSpec
-from middleware.config import parse_config, with_billing, with_quotas
-from plugins.auth import hash_key, new_key
-from plugins.quotas import Quotas
+from kvgate.engines.sim.core.faults import FaultSpec
+from kvgate.middleware.framework.config import parse_config, with_billing, with_quotas
+from kvgate.plugins.quotas.plugin import Quotas
+from kvgate.plugins.tenancy.auth import hash_key, new_key
 from tests.asyncq_helpers import until
 from tests.integration.billing_helpers import billing_config, long_chat, write_keys
 from tests.integration.conftest import gateway, sim_fleet

@@ -1,5 +1,5 @@
 """Every kvgate Redis client survives a Redis restart without a false outage
-(plugins/redis_retry.py): the connection pooled before the restart fails once, the client
+(plugins/common/redis_retry.py): the connection pooled before the restart fails once, the client
 retries on a fresh one; a Redis that is really down still fails at once."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from plugins.redis_retry import stale_connection_retry
+from kvgate.plugins.common.redis_retry import stale_connection_retry
 from tests.servers import RedisServer
 
 
@@ -70,8 +70,8 @@ class _ScriptClient:
 async def test_a_transport_closed_during_connect_is_the_store_down() -> None:
     """Seen while Redis was SIGKILLed under load: redis-py raised RuntimeError, which became a
     500 instead of the quota store's fail-closed 503 (plugins/redis_retry.redis_errors)."""
-    from plugins.limits.model import Ask
-    from plugins.limits.redis_store import RedisStore, StoreDown
+    from kvgate.plugins.quotas.model import Ask
+    from kvgate.plugins.quotas.redis_store import RedisStore, StoreDown
 
     store = RedisStore(_ScriptClient(), prefix="kvgate:q:", timeout_s=1.0)  # type: ignore[arg-type]
     ask = Ask(request_id="r", scopes=(), input_tokens=1, output_tokens=1, cost_units=0,

@@ -3,7 +3,7 @@
 it), an engine process killed mid-stream (its clients get the API's SSE error, the other engine
 takes the rest), readiness (``/health`` is 503 until a probe has confirmed an engine), and 200
 concurrent streams all complete with every lease released. The gateway is served on a loopback
-port by the HTTP front end ``kvgate serve`` runs (middleware/h1server.py)."""
+port by the HTTP front end ``kvgate serve`` runs (middleware/transport/h1server.py)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ import aiohttp
 import orjson
 import pytest
 
-from engines.ports import free_port
-from engines.sim.faults import FaultSpec
-from middleware import sse
-from middleware.asgi import Send
+from kvgate.engines.ports import free_port
+from kvgate.engines.sim.core.faults import FaultSpec
+from kvgate.middleware.serving import sse
+from kvgate.middleware.transport.asgi import Send
 from tests.integration.conftest import (
     KVGATE_FRONT,
     gateway_config,
@@ -118,7 +118,7 @@ async def test_not_ready_until_a_probe_confirms_an_engine() -> None:
 def _sim_process(name: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     port = free_port()
     proc = subprocess.Popen(  # time scale 1: 300 tokens take ~1.5 s on the simulated H100
-        [sys.executable, "-m", "engines.sim", "--port", str(port), "--engine-id", name,
+        [sys.executable, "-m", "kvgate.engines.sim", "--port", str(port), "--engine-id", name,
          "--time-scale", "1", "--log-level", "warning"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

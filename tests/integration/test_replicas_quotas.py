@@ -33,7 +33,7 @@ import httpx
 import pytest
 import yaml
 
-from plugins.auth import hash_key, new_key
+from kvgate.plugins.tenancy.auth import hash_key, new_key
 from tests.asyncq_helpers import until
 from tests.integration.billing_helpers import PRICES_YAML
 from tests.integration.conftest import DEFAULT_PROFILE, FAST_POOL
@@ -105,7 +105,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     engines = [f"http://127.0.0.1:{p}" for p in ports[:1]]
     configs, secrets = _configs(tmp, engines)
     urls = [f"http://127.0.0.1:{p}" for p in ports[1:]]
-    commands = [([sys.executable, "-m", "engines.sim", "--port", str(port), "--time-scale",
+    commands = [([sys.executable, "-m", "kvgate.engines.sim", "--port", str(port), "--time-scale",
                   "1", "--seed", str(i)], f"{engines[i]}/health", tmp / f"sim-{i}.log")
                 for i, port in enumerate(ports[:1])]
     commands += [([KVGATE, "serve", "--config", str(configs[i]), "--port",

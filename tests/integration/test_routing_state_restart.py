@@ -1,7 +1,7 @@
 """A restarted gateway sends each session back to the engine it used before the restart: the
 quick start's default preset in front of two simulated engines, the gateway stopped (its
 lifespan writes the routing state) and a fresh app started over the same fleet
-(middleware/routing_state.py)."""
+(middleware/serving/routing_state.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engines.ports import free_port
-from engines.sim.demo import cache_aware_config, sim_config
-from engines.sim.testing import serve_sim
-from middleware.app import create_app
-from middleware.config import GatewayConfig
+from kvgate.engines.ports import free_port
+from kvgate.engines.sim.demo import cache_aware_config, sim_config
+from kvgate.engines.sim.testing import serve_sim
+from kvgate.middleware.app import create_app
+from kvgate.middleware.framework.config import GatewayConfig
 from tests.servers import serve_asgi
 
 SESSIONS = 8

@@ -17,14 +17,14 @@ import httpx
 import pytest
 import yaml
 
-from engines.sim.config import KvEventsConfig, SimConfig
-from engines.sim.testing import RunningSim, serve_sim
-from middleware.app import KvgateApp, create_app
-from middleware.config import parse_config
-from plugins.auth import hash_key, new_key
-from plugins.gateway_secret import SESSION_PURPOSE, GatewaySecret, session_digest
-from plugins.kv_events import KvEventsSubscriber
-from plugins.session_affinity import session_key
+from kvgate.engines.sim.core.config import KvEventsConfig, SimConfig
+from kvgate.engines.sim.testing import RunningSim, serve_sim
+from kvgate.middleware.app import KvgateApp, create_app
+from kvgate.middleware.framework.config import parse_config
+from kvgate.plugins.load.session_affinity import session_key
+from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
+from kvgate.plugins.tenancy.auth import hash_key, new_key
+from kvgate.plugins.tenancy.gateway_secret import SESSION_PURPOSE, GatewaySecret, session_digest
 from tests.integration.billing_helpers import billing_config, ledger_rows, long_chat, write_keys
 from tests.integration.conftest import gateway
 from tests.servers import free_port

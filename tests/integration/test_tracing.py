@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 
-from engines.sim.app import sim_handles
-from engines.sim.cli import child_argv, config_from_args, register
-from engines.sim.config import PdSimConfig, SimConfig
-from engines.sim.testing import RunningSim, serve_sim
-from middleware.app import KvgateApp, create_app
-from middleware.config import parse_config
-from middleware.errors import ConfigError
-from middleware.quickstart import pd_config_data
+from kvgate.engines.sim.cli import child_argv, config_from_args, register
+from kvgate.engines.sim.core.config import PdSimConfig, SimConfig
+from kvgate.engines.sim.http.app import sim_handles
+from kvgate.engines.sim.testing import RunningSim, serve_sim
+from kvgate.middleware.app import KvgateApp, create_app
+from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.errors import ConfigError
+from kvgate.middleware.quickstart import pd_config_data
 from tests.integration.billing_helpers import billing_config, write_keys
 from tests.integration.conftest import FAST_POOL, gateway, gateway_config, sim_fleet
 from tests.integration.otlp_collector import Collector

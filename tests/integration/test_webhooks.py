@@ -19,9 +19,9 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
-from asyncq.api import JobSpec
-from asyncq.mgmt import ManagementSettings, build_management_app, plane_of
-from asyncq.webhooks import sign
+from kvgate.asyncq.api import JobSpec
+from kvgate.asyncq.batch.mgmt import ManagementSettings, build_management_app, plane_of
+from kvgate.asyncq.webhooks import sign
 from tests.integration.batch_helpers import MemoryQueue
 from tests.integration.test_batches_api import CHAT, echo, jsonl, line, sdk, wait_status
 from tests.servers import free_port

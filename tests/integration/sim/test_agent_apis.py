@@ -12,11 +12,11 @@ import httpx
 import openai
 import pytest
 
-from engines.sim.config import SimConfig
-from engines.sim.messages_api import to_chat_messages
-from engines.sim.responses_api import BOS_ID
-from engines.sim.testing import RunningSim, serve_sim
-from engines.sim.tokenizer import chat_token_ids, tokenize
+from kvgate.engines.sim.core.config import SimConfig
+from kvgate.engines.sim.core.tokenizer import chat_token_ids, tokenize
+from kvgate.engines.sim.http.messages_api import to_chat_messages
+from kvgate.engines.sim.http.responses_api import BOS_ID
+from kvgate.engines.sim.testing import RunningSim, serve_sim
 
 from .helpers import long_text
 

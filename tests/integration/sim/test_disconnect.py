@@ -8,9 +8,9 @@ import contextlib
 import httpx
 import pytest
 
-from engines.sim.config import SimConfig
-from engines.sim.engine import SimEngine
-from engines.sim.testing import serve_sim
+from kvgate.engines.sim.core.config import SimConfig
+from kvgate.engines.sim.core.engine import SimEngine
+from kvgate.engines.sim.testing import serve_sim
 
 from .helpers import eventually, token_prompt
 

@@ -8,8 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
-from engines.sim.config import SimConfig
-from engines.sim.testing import serve_sim
+from kvgate.engines.sim.core.config import SimConfig
+from kvgate.engines.sim.testing import serve_sim
 
 from .helpers import DONE, sse_events
 

@@ -9,11 +9,11 @@ from typing import Any
 import httpx
 import pytest
 
-from engines.sim.app import create_sim_app, sim_handles
-from engines.sim.config import SimConfig
-from engines.sim.testing import serve_sim
-from engines.sim.tokenizer import chat_token_ids
-from engines.vllm import VllmAdapter
+from kvgate.engines.sim.core.config import SimConfig
+from kvgate.engines.sim.core.tokenizer import chat_token_ids
+from kvgate.engines.sim.http.app import create_sim_app, sim_handles
+from kvgate.engines.sim.testing import serve_sim
+from kvgate.engines.vllm import VllmAdapter
 
 from .helpers import DONE, long_text, sse_events, stream_text, token_prompt
 

@@ -13,9 +13,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from engines.sim.config import KvEventsConfig, SimConfig
-from engines.sim.prefix_cache import block_hashes
-from engines.sim.testing import RunningSim, serve_sim
+from kvgate.engines.sim.core.config import KvEventsConfig, SimConfig
+from kvgate.engines.sim.core.prefix_cache import block_hashes
+from kvgate.engines.sim.testing import RunningSim, serve_sim
 
 from .helpers import token_prompt
 

@@ -12,11 +12,11 @@ from typing import Any
 import httpx
 import pytest
 
-from engines.sim.config import KvEventsConfig, SimConfig
-from engines.sim.testing import RunningSim, serve_sim
-from middleware.types import Endpoint
-from plugins.kv_events import KvEventsSubscriber
-from plugins.kv_health import IndexState
+from kvgate.engines.sim.core.config import KvEventsConfig, SimConfig
+from kvgate.engines.sim.testing import RunningSim, serve_sim
+from kvgate.middleware.framework.types import Endpoint
+from kvgate.plugins.prefix.events.health import IndexState
+from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
 from tests.servers import free_port
 from tests.unit.routing.helpers import NoLookup
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from middleware.api import SseEvent
+from kvgate.middleware.framework.api import SseEvent
 
 DATA = Path(__file__).parent / "data"
 

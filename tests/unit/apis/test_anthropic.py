@@ -11,14 +11,14 @@ import anthropic as sdk
 import httpx2
 import pytest
 
-from apis.anthropic import (
+from kvgate.apis.anthropic import (
     CountTokensAdapter,
     MessagesAdapter,
     MessagesTap,
     error_type,
 )
-from middleware.api import ApiAdapter, SseEvent, UsageTap
-from middleware.errors import (
+from kvgate.middleware.framework.api import ApiAdapter, SseEvent, UsageTap
+from kvgate.middleware.framework.errors import (
     BadRequest,
     ModelNotFound,
     NoEndpointAvailable,
@@ -29,7 +29,7 @@ from middleware.errors import (
     UpstreamError,
     UpstreamHTTPError,
 )
-from middleware.types import Usage
+from kvgate.middleware.framework.types import Usage
 from tests.unit.apis.samples import load_json, load_sse, parse_sse, raw
 
 VALID: dict[str, Any] = {"model": "m", "max_tokens": 16,

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 
-from apis.anthropic import MessagesAdapter
-from apis.responses import ResponsesAdapter
-from middleware.errors import UpstreamHTTPError
-from middleware.types import Usage
+from kvgate.apis.anthropic import MessagesAdapter
+from kvgate.apis.responses import ResponsesAdapter
+from kvgate.middleware.framework.errors import UpstreamHTTPError
+from kvgate.middleware.framework.types import Usage
 from tests.unit.apis.samples import load_json, load_sse, raw
 
 

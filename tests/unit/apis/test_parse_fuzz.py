@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from apis.anthropic import CountTokensAdapter, MessagesAdapter
-from apis.responses import ResponsesAdapter
-from middleware.errors import BadRequest
+from kvgate.apis.anthropic import CountTokensAdapter, MessagesAdapter
+from kvgate.apis.responses import ResponsesAdapter
+from kvgate.middleware.framework.errors import BadRequest
 from tests.unit.apis.samples import cases
 
 SCALARS: list[Any] = [None, True, 0, -1, 7, 1.5, "", "x", "x-anthropic-billing-header: y",

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from apis import anthropic, responses
-from middleware.api import ChatPrompt
+from kvgate.apis import anthropic, responses
+from kvgate.middleware.framework.api import ChatPrompt
 from tests.unit.apis.samples import cases, golden
 
 MESSAGES = sorted(cases()["messages"])

@@ -12,10 +12,10 @@ import openai
 import pytest
 from openai.types.responses import ResponseErrorEvent
 
-from apis.responses import MARKERS, ResponsesAdapter, ResponsesTap
-from middleware.api import ApiAdapter, ChatPrompt, SseEvent, UsageTap
-from middleware.errors import BadRequest, ModelNotFound, NotFound, UpstreamError
-from middleware.types import Usage
+from kvgate.apis.responses import MARKERS, ResponsesAdapter, ResponsesTap
+from kvgate.middleware.framework.api import ApiAdapter, ChatPrompt, SseEvent, UsageTap
+from kvgate.middleware.framework.errors import BadRequest, ModelNotFound, NotFound, UpstreamError
+from kvgate.middleware.framework.types import Usage
 from tests.unit.apis.samples import load_json, load_sse, parse_sse, raw
 
 VALID: dict[str, Any] = {"model": "m", "input": "hi"}

@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from apis.anthropic import MessagesAdapter
-from apis.openai import ChatCompletions, Completions
-from apis.responses import ResponsesAdapter
-from engines.vllm import VllmAdapter
-from middleware.api import ApiAdapter, SseEvent
-from middleware.types import Usage
+from kvgate.apis.anthropic import MessagesAdapter
+from kvgate.apis.openai import ChatCompletions, Completions
+from kvgate.apis.responses import ResponsesAdapter
+from kvgate.engines.vllm import VllmAdapter
+from kvgate.middleware.framework.api import ApiAdapter, SseEvent
+from kvgate.middleware.framework.types import Usage
 
 #: The docs/apis.md golden row "vLLM 0.32 chat / Messages / Responses (same request)".
 CHAT_USAGE = {"prompt_tokens": 1200, "completion_tokens": 7, "total_tokens": 1207,

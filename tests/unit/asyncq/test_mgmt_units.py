@@ -10,11 +10,11 @@ from pathlib import Path
 import orjson
 import pytest
 
-from asyncq import files
-from asyncq.api import Job, JobResult, JobSpec, JobState
-from asyncq.batch_lines import job_row
-from asyncq.webhooks import secret_key, sign
-from middleware.errors import BadRequest, PayloadTooLarge
+from kvgate.asyncq.api import Job, JobResult, JobSpec, JobState
+from kvgate.asyncq.batch import files
+from kvgate.asyncq.batch.lines import job_row
+from kvgate.asyncq.webhooks import secret_key, sign
+from kvgate.middleware.framework.errors import BadRequest, PayloadTooLarge
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7, 1 << 20])

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from asyncq.api import Job, JobState
-from asyncq.headroom import HeadroomParams, gate
-from asyncq.ordering import order_window, prefix_key
-from asyncq.runner import run_body
-from middleware.types import Endpoint, EngineMetrics
+from kvgate.asyncq.api import Job, JobState
+from kvgate.asyncq.headroom import HeadroomParams, gate
+from kvgate.asyncq.ordering import order_window, prefix_key
+from kvgate.asyncq.runner import run_body
+from kvgate.middleware.framework.types import Endpoint, EngineMetrics
 from tests.asyncq_helpers import spec
 
 SYS = {"role": "system", "content": "you are a careful reviewer " * 50}

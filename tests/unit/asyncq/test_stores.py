@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncq.api import JobResult, JobState, JobStore
-from asyncq.store_redis import RedisJobStore
-from asyncq.store_sqlite import SqliteJobStore
+from kvgate.asyncq.api import JobResult, JobState, JobStore
+from kvgate.asyncq.store.redis_store import RedisJobStore
+from kvgate.asyncq.store.sqlite_store import SqliteJobStore
 from tests.asyncq_helpers import PersistentRedis, spec
 from tests.servers import REDIS_SERVER
 
@@ -139,7 +139,7 @@ async def test_cancel_and_batches(store: JobStore) -> None:
 
 
 async def test_enqueue_past_max_jobs_is_refused(store: JobStore) -> None:
-    from middleware.errors import RateLimited
+    from kvgate.middleware.framework.errors import RateLimited
     await store.enqueue([spec(f"j{i}") for i in range(50)])
     with pytest.raises(RateLimited):
         await store.enqueue([spec("one-more")])

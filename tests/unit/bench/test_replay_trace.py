@@ -21,7 +21,7 @@ from bench.replay_trace import (
     prompt_tokens,
     send_offsets,
 )
-from engines.sim.tokenizer import tokenize
+from kvgate.engines.sim.core.tokenizer import tokenize
 
 
 def req(index: int, ids: list[int], length: int | None = None, ts: int = 0) -> TraceRequest:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import engines.kvcodec
-from engines.kvcodec.venv import engine_env, engine_side_path
+import kvgate.engines.kvcodec
+from kvgate.engines.kvcodec.venv import engine_env, engine_side_path
 
 
 def test_engine_side_path_holds_only_the_codec_and_is_removed_after() -> None:
@@ -16,7 +16,7 @@ def test_engine_side_path_holds_only_the_codec_and_is_removed_after() -> None:
         assert sorted(p.name for p in (root / "engines").iterdir()) == ["__init__.py", "kvcodec"]
         assert (root / "engines" / "__init__.py").read_text() == ""
         codec = (root / "engines" / "kvcodec").resolve()
-        assert codec == Path(engines.kvcodec.__file__).resolve().parent
+        assert codec == Path(kvgate.engines.kvcodec.__file__).resolve().parent
         env = engine_env(path)
         assert env["PYTHONPATH"] == path
         assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1"

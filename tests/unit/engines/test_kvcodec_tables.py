@@ -11,8 +11,8 @@ from fractions import Fraction
 
 import pytest
 
-from engines.kvcodec import container
-from engines.kvcodec.huffman import _huffman_lengths, canonical_codes, code_lengths
+from kvgate.engines.kvcodec import container
+from kvgate.engines.kvcodec.huffman import _huffman_lengths, canonical_codes, code_lengths
 
 SEED = 20261125
 

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from engines.litellm_provider import (
+from kvgate.engines.litellm_provider import (
     LitellmBackend,
     is_retryable,
     load_litellm,
@@ -19,7 +19,7 @@ from engines.litellm_provider import (
     to_openai_chunks,
     to_openai_json,
 )
-from middleware.backend import BackendStep
+from kvgate.middleware.framework.backend import BackendStep
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 STEP = BackendStep("claude-x", "litellm", "anthropic/claude-x", {"api_key_env": "KVG_KEY"})

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engines.local import venv
-from engines.local.launcher import (
+from kvgate.engines.local import venv
+from kvgate.engines.local.launcher import (
     AGENT_ENV,
     LocalEngine,
     engine_args,

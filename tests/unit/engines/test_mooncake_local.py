@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engines.local import mooncake
-from engines.local.mooncake import MasterAddress, MooncakeError, running_master, stop_process
-from engines.ports import free_port
+from kvgate.engines.local import mooncake
+from kvgate.engines.local.mooncake import MasterAddress, MooncakeError, running_master, stop_process
+from kvgate.engines.ports import free_port
 from tests.e2e.mooncake_store_client import setup_config
 
 

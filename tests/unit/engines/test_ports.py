@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from engines import ports
+from kvgate.engines import ports
 
 
 def test_ports_are_below_the_ephemeral_range_distinct_and_bindable() -> None:
@@ -30,7 +30,7 @@ def test_a_port_in_use_is_not_bindable() -> None:
 
 def test_a_claimed_port_is_refused_to_other_callers_until_stale(
         tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("engines.ports.tempfile.gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr("kvgate.engines.ports.tempfile.gettempdir", lambda: str(tmp_path))
     assert ports._claim(25_000) is True
     assert ports._claim(25_000) is False  # another process asking now
     marker = ports._claims() / "25000"

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from engines.vllm import VllmAdapter, parse_prometheus
-from middleware.types import Api, InferenceRequest, Usage
+from kvgate.engines.vllm import VllmAdapter, parse_prometheus
+from kvgate.middleware.framework.types import Api, InferenceRequest, Usage
 
 FIXTURE = Path(__file__).with_name("fixtures") / "vllm-0.32-metrics.txt"
 
@@ -39,9 +39,9 @@ def test_kv_capacity_from_cache_config_info(labels: str, expected: float | None)
 
 
 def test_simulator_publishes_its_capacity() -> None:
-    from engines.sim.config import SimConfig
-    from engines.sim.engine import SimEngine
-    from engines.sim.metrics import render_metrics
+    from kvgate.engines.sim.core.config import SimConfig
+    from kvgate.engines.sim.core.engine import SimEngine
+    from kvgate.engines.sim.core.metrics import render_metrics
 
     engine = SimEngine(SimConfig(block_size=32, capacity_blocks=100))
     m = VllmAdapter().parse_metrics(render_metrics(engine), 0.0)

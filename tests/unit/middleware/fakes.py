@@ -8,10 +8,17 @@ from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from middleware.engine import EngineAdapter
-from middleware.plugin import Filter, Picker, Plugin, PluginLookup, ProfileHandler, Scorer
-from middleware.registry import Registry
-from middleware.types import (
+from kvgate.middleware.framework.engine import EngineAdapter
+from kvgate.middleware.framework.plugin import (
+    Filter,
+    Picker,
+    Plugin,
+    PluginLookup,
+    ProfileHandler,
+    Scorer,
+)
+from kvgate.middleware.framework.registry import Registry
+from kvgate.middleware.framework.types import (
     CycleState,
     Endpoint,
     EndpointId,

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from middleware import access_log
-from middleware.access_log import LOGGER, AccessLog, install_handler
-from middleware.config import AccessLogConfig
+from kvgate.middleware.framework.config import AccessLogConfig
+from kvgate.middleware.observe import access_log
+from kvgate.middleware.observe.access_log import LOGGER, AccessLog, install_handler
 
 ENTRY = {"request_id": "r1", "status": 200, "path": "/v1/chat/completions", "total_s": 0.001}
 

@@ -7,24 +7,24 @@ from typing import Any, ClassVar
 
 import pytest
 
-from apis.openai import ChatCompletions, Completions
-from apis.pooling import Embeddings, Tokenize
-from engines.sim import tokenizer as sim_tokenizer
-from engines.vllm import VllmAdapter
-from middleware.api import ApiAdapter, match_route
-from middleware.config import parse_config
-from middleware.errors import BadRequest, ConfigError
-from middleware.gateway import ApiRoutes
-from middleware.pipeline import build_pipeline, order_by_state
-from middleware.plugin import Plugin, RequestHook
-from middleware.registry import Registry, load_apis
-from middleware.requests import load_body
-from middleware.states import StateMap, StateMapCollector
-from middleware.types import Api, CycleState, InferenceRequest
-from plugins.kv_events import KvEventsSubscriber
-from plugins.prefix_cache import PrefixCacheProducer, PrefixCacheScorer
-from plugins.state import PREFIX_MATCH
-from plugins.tokenization import Tokenizer
+from kvgate.apis.openai import ChatCompletions, Completions
+from kvgate.apis.pooling import Embeddings, Tokenize
+from kvgate.engines.sim.core import tokenizer as sim_tokenizer
+from kvgate.engines.vllm import VllmAdapter
+from kvgate.middleware.framework.api import ApiAdapter, match_route
+from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.errors import BadRequest, ConfigError
+from kvgate.middleware.framework.pipeline import build_pipeline, order_by_state
+from kvgate.middleware.framework.plugin import Plugin, RequestHook
+from kvgate.middleware.framework.registry import Registry, load_apis
+from kvgate.middleware.framework.types import Api, CycleState, InferenceRequest
+from kvgate.middleware.serving.gateway import ApiRoutes
+from kvgate.middleware.serving.requests import load_body
+from kvgate.middleware.serving.states import StateMap, StateMapCollector
+from kvgate.plugins.common.state import PREFIX_MATCH
+from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
+from kvgate.plugins.prefix.producer import PrefixCacheProducer, PrefixCacheScorer
+from kvgate.plugins.prefix.tokenizer import Tokenizer
 from tests.plugin_helpers import NoLookup
 from tests.unit.middleware.fakes import Best
 from tests.unit.routing.helpers import endpoint, frames, request, stored
@@ -65,7 +65,7 @@ def test_state_key_cycle_refused() -> None:
         order_by_state("t.yaml", built)
 
 
-SIM = {"kind": "module", "module": "engines.sim.tokenizer"}
+SIM = {"kind": "module", "module": "kvgate.engines.sim.core.tokenizer"}
 #: The prefix producer declared before the tokenizer whose token ids it consumes: accepted,
 #: and (since producers run in produces/consumes order) prefix routing works.
 PRODUCER_FIRST: list[dict[str, Any]] = [

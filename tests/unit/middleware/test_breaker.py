@@ -1,10 +1,10 @@
-"""The circuit breaker's transitions (middleware/breaker.py), one event sequence per case."""
+"""The circuit breaker's transitions (middleware/fleet/breaker.py), one event sequence per case."""
 
 from __future__ import annotations
 
 import pytest
 
-from middleware.breaker import Breaker, BreakerState
+from kvgate.middleware.fleet.breaker import Breaker, BreakerState
 
 CLOSED, HALF, OPEN = BreakerState.CLOSED, BreakerState.HALF_OPEN, BreakerState.OPEN
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from middleware import cli
+from kvgate.middleware import cli
 from tests.cli_helpers import served_config
 
 _serve = served_config

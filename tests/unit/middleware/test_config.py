@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from engines.vllm import VllmAdapter
-from middleware.config import load_config, parse_config
-from middleware.errors import ConfigError
-from middleware.pipeline import build_pipeline
-from middleware.quickstart import config_from_engines
+from kvgate.engines.vllm import VllmAdapter
+from kvgate.middleware.framework.config import load_config, parse_config
+from kvgate.middleware.framework.errors import ConfigError
+from kvgate.middleware.framework.pipeline import build_pipeline
+from kvgate.middleware.quickstart import config_from_engines
 from tests.unit.middleware.fakes import TwoProfiles, registry
 
 ENGINE = {"name": "e0", "url": "http://127.0.0.1:9000"}
@@ -158,9 +158,9 @@ def test_quick_start_config() -> None:
 
 
 def test_shared_state_redis_url_is_the_default_of_plugins_redis_url_params() -> None:
-    from middleware.config import with_shared_state
-    from middleware.registry import Registry
-    from plugins.session_affinity import SessionAffinityScorer as SessionAffinity
+    from kvgate.middleware.framework.config import with_shared_state
+    from kvgate.middleware.framework.registry import Registry
+    from kvgate.plugins.load.session_affinity import SessionAffinityScorer as SessionAffinity
 
     reg = registry(VllmAdapter)
     reg = Registry(plugins={**reg.plugins, SessionAffinity.type_name: SessionAffinity},

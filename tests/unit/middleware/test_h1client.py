@@ -1,4 +1,4 @@
-"""The lean engine-hop client (middleware/h1client.py) against a raw asyncio HTTP server."""
+"""The lean engine-hop client (middleware/transport/h1client.py) against a raw asyncio HTTP server."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from middleware.h1client import (
+from kvgate.middleware.transport.h1client import (
     READ_HIGH_WATER,
     H1Client,
     H1Collector,

@@ -1,4 +1,4 @@
-"""The HTTP front end's limits (middleware/h1limits.py, issue 29 item 3) under uvicorn's real
+"""The HTTP front end's limits (middleware/transport/h1limits.py, issue 29 item 3) under uvicorn's real
 server, over real sockets: oversized request lines and heads, too many headers, heads and bodies
 sent too slowly, connections that never ask, idle keep-alive connections, too many connections;
 what each is answered, that the connection is closed, and the counts on ``/metrics``; and
@@ -19,11 +19,11 @@ import uvloop
 import yaml
 from pydantic import ValidationError
 
-from middleware import cli
-from middleware.app import create_app
-from middleware.config import GatewayConfig, ServerConfig
-from middleware.h1limits import H1Limits
-from middleware.quickstart import QuickStart, quick_start_config
+from kvgate.middleware import cli
+from kvgate.middleware.app import create_app
+from kvgate.middleware.framework.config import GatewayConfig, ServerConfig
+from kvgate.middleware.quickstart import QuickStart, quick_start_config
+from kvgate.middleware.transport.h1limits import H1Limits
 from tests.servers import serve_asgi
 from tests.unit.middleware.test_h1server import WAIT_S, App, post, read_response, served, until
 

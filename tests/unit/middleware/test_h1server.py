@@ -1,4 +1,4 @@
-"""kvgate's HTTP/1.1 front end (middleware/h1server.py) under uvicorn's real server, over real
+"""kvgate's HTTP/1.1 front end (middleware/transport/h1server.py) under uvicorn's real server, over real
 sockets: keep-alive, pipelining, bodies, 100-continue, closing rules, errors, backpressure,
 disconnects, graceful shutdown; and ``kvgate serve`` choosing it by default."""
 
@@ -17,9 +17,9 @@ import pytest
 import uvicorn
 import uvloop
 
-from middleware import cli
-from middleware.asgi import DISCONNECT_EXTENSION
-from middleware.h1server import BODY_HIGH_WATER, H1Protocol, _Exchange
+from kvgate.middleware import cli
+from kvgate.middleware.transport.asgi import DISCONNECT_EXTENSION
+from kvgate.middleware.transport.h1server import BODY_HIGH_WATER, H1Protocol, _Exchange
 
 #: Safety net for waits on events (a hung test fails instead of blocking the suite).
 WAIT_S = 10.0
@@ -56,7 +56,7 @@ class App:
             assert [(await w)["type"] for w in watchers] == ["http.disconnect"] * 2
             self.disconnected.set()
             return
-        if path == "/watch":  # the DisconnectSource of the scope (middleware/asgi.py)
+        if path == "/watch":  # the DisconnectSource of the scope (middleware/transport/asgi.py)
             source = scope["extensions"][DISCONNECT_EXTENSION]
             source.watch(self.disconnected.set)
             await self.disconnected.wait()
@@ -332,7 +332,7 @@ async def test_concurrency_limit_answers_503() -> None:
 
 
 @pytest.mark.parametrize(("argv", "http", "proxy_headers"), [
-    ([], "middleware.h1server:H1Protocol", False),
+    ([], "kvgate.middleware.transport.h1server:H1Protocol", False),
     (["--http", "uvicorn"], "httptools", True),
 ])
 def test_kvgate_serve_runs_the_chosen_front(monkeypatch: pytest.MonkeyPatch, argv: list[str],

@@ -1,4 +1,4 @@
-"""The lockless metric families (middleware/metrics.py) render exactly what prometheus_client's
+"""The lockless metric families (middleware/observe/metrics.py) render exactly what prometheus_client's
 own Counter and Histogram render for the same updates, and stay bounded."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from middleware import metrics as metrics_module
-from middleware.metrics import LabelledCounter, LabelledHistogram
+from kvgate.middleware.observe import metrics as metrics_module
+from kvgate.middleware.observe.metrics import LabelledCounter, LabelledHistogram
 
 BUCKETS = (0.001, 0.01, 0.1, 1.0)
 

@@ -8,10 +8,10 @@ from collections.abc import Callable
 
 import pytest
 
-from middleware.config import EngineConfig, PoolConfig
-from middleware.pool import EndpointPool, Lease
-from middleware.registry import Registry
-from middleware.types import Endpoint
+from kvgate.middleware.fleet.pool import EndpointPool, Lease
+from kvgate.middleware.framework.config import EngineConfig, PoolConfig
+from kvgate.middleware.framework.registry import Registry
+from kvgate.middleware.framework.types import Endpoint
 
 NAMES = ("e0", "e1", "e2", "e3")
 

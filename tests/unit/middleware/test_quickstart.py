@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from middleware import cli
-from middleware.errors import ConfigError
-from middleware.quickstart import QuickStart, quick_start_config
-from middleware.tokenizer_discovery import discover_tokenizer, find_local
+from kvgate.middleware import cli
+from kvgate.middleware.fleet.tokenizer_discovery import discover_tokenizer, find_local
+from kvgate.middleware.framework.errors import ConfigError
+from kvgate.middleware.quickstart import QuickStart, quick_start_config
 
 
 @pytest.mark.parametrize(("qs", "expected"), [

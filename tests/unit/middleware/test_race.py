@@ -1,7 +1,7 @@
 """middleware.dispatch.race: the work runs in the caller's task; a client disconnect cancels it
 where it awaits (ClientGone), the caller's own cancellation stays a cancellation. Each case
 runs with both ways of learning of the disconnect: a watcher on ``receive`` and the server's
-:class:`~middleware.asgi.DisconnectSource` callback (kvgate's own HTTP server)."""
+:class:`~kvgate.middleware.transport.asgi.DisconnectSource` callback (kvgate's own HTTP server)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from middleware.asgi import ClientGone
-from middleware.dispatch import race
+from kvgate.middleware.serving.dispatch import race
+from kvgate.middleware.transport.asgi import ClientGone
 
 T = TypeVar("T")
 

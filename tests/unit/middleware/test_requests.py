@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from middleware.errors import BadRequest
-from middleware.requests import RequestIds, client_request_id, parse_request
-from middleware.types import Api
+from kvgate.middleware.framework.errors import BadRequest
+from kvgate.middleware.framework.types import Api
+from kvgate.middleware.serving.requests import RequestIds, client_request_id, parse_request
 
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -1,4 +1,4 @@
-"""The routing state kept across restarts (middleware/routing_state.py) with the placement
+"""The routing state kept across restarts (middleware/serving/routing_state.py) with the placement
 scorer's snapshot: round trip, one file per fleet and profile, bad files skipped loudly, bounded."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from middleware.routing_state import MAX_FILES, RoutingStateFile, fleet_digest
-from middleware.types import CycleState, Endpoint, RoutingDecision
-from plugins.placement import KvPlacementScorer
-from plugins.state import SESSION_KEY
+from kvgate.middleware.framework.types import CycleState, Endpoint, RoutingDecision
+from kvgate.middleware.serving.routing_state import MAX_FILES, RoutingStateFile, fleet_digest
+from kvgate.plugins.common.state import SESSION_KEY
+from kvgate.plugins.placement.scorer import KvPlacementScorer
 from tests.unit.routing_load.helpers import req
 
 ENGINES = [("e0", "http://127.0.0.1:9000"), ("e1", "http://127.0.0.1:9001")]

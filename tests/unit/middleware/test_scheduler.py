@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
-from engines.vllm import VllmAdapter
-from middleware.config import parse_config
-from middleware.errors import NoEndpointAvailable
-from middleware.pipeline import build_pipeline
-from middleware.scheduler import Scheduler
-from middleware.types import Api, CycleState, Endpoint, InferenceRequest
+from kvgate.engines.vllm import VllmAdapter
+from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.errors import NoEndpointAvailable
+from kvgate.middleware.framework.pipeline import build_pipeline
+from kvgate.middleware.framework.scheduler import Scheduler
+from kvgate.middleware.framework.types import Api, CycleState, Endpoint, InferenceRequest
 from tests.unit.middleware.fakes import registry
 
 EPS = [Endpoint(id=f"e{i}", url=f"http://e{i}", kind="vllm") for i in range(3)]

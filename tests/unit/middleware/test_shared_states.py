@@ -1,4 +1,4 @@
-"""The state-id map shared through Redis (middleware/shared_states.py, middleware/states.py),
+"""The state-id map shared through Redis (middleware/serving/shared_states.py, middleware/serving/states.py),
 over an in-memory stand-in for the Redis client: values, TTL, fail-closed reads, the write
 queue of an outage and its drain, and what a request without API keys gets instead."""
 
@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from middleware.errors import ServiceUnavailable
-from middleware.shared_states import MAX_ID_CHARS, SharedStates, decode, encode
-from middleware.states import StateMap
+from kvgate.middleware.framework.errors import ServiceUnavailable
+from kvgate.middleware.serving.shared_states import MAX_ID_CHARS, SharedStates, decode, encode
+from kvgate.middleware.serving.states import StateMap
 
 
 class FakeRedis:

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from middleware import app as app_module
+from kvgate.middleware import app as app_module
 
 
 async def _stuck() -> None:

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from apis.openai import OpenAITap
-from middleware import sse
-from middleware.sse import EventRelay, error_event
-from middleware.types import Usage
+from kvgate.apis.openai import OpenAITap
+from kvgate.middleware.framework.types import Usage
+from kvgate.middleware.serving import sse
+from kvgate.middleware.serving.sse import EventRelay, error_event
 
 
 def SSETap(strip_usage: bool) -> EventRelay:  # noqa: N802 - reads like the relay it builds

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from middleware import tasks
-from middleware.tasks import cancel_and_wait
+from kvgate.middleware import tasks
+from kvgate.middleware.tasks import cancel_and_wait
 
 
 async def _loses_first_cancel(rounds: list[int]) -> None:

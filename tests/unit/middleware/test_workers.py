@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from middleware.config import parse_config
-from middleware.errors import ConfigError
-from middleware.registry import Registry
-from middleware.workers import (
+from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.errors import ConfigError
+from kvgate.middleware.framework.registry import Registry
+from kvgate.middleware.workers import (
     CONFIG_ENV,
     check_workers,
     claim_slot,
@@ -50,7 +50,7 @@ def test_per_worker_spool(slot: int, given: str | None, expected: str) -> None:
 
 def test_slots_are_exclusive_between_processes(tmp_path: Path) -> None:
     """Each process gets the first free slot; a slot is freed when its holder exits."""
-    code = ("import sys, time; from pathlib import Path; from middleware.workers import "
+    code = ("import sys, time; from pathlib import Path; from kvgate.middleware.workers import "
             "claim_slot; print(claim_slot(3, Path(sys.argv[1])), flush=True); time.sleep(30)")
     holders = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)],
                                 stdout=subprocess.PIPE, text=True) for _ in range(2)]

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from middleware.errors import Overloaded, RateLimited
-from middleware.types import (
+from kvgate.middleware.framework.errors import Overloaded, RateLimited
+from kvgate.middleware.framework.types import (
     Api,
     CycleState,
     Endpoint,
@@ -18,8 +18,8 @@ from middleware.types import (
     OutcomeKind,
     Role,
 )
-from plugins.pd_admission import PdAdmission
-from plugins.token_load import Charge, TokenLoadScorer
+from kvgate.plugins.load.token_load import Charge, TokenLoadScorer
+from kvgate.plugins.pd.admission import PdAdmission
 
 
 class _Lookup:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from middleware import cli
-from middleware.pipeline import build_pipeline
-from middleware.registry import Registry
-from middleware.types import Role
+from kvgate.middleware import cli
+from kvgate.middleware.framework.pipeline import build_pipeline
+from kvgate.middleware.framework.registry import Registry
+from kvgate.middleware.framework.types import Role
 from tests.cli_helpers import served_config
 
 _serve = served_config

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from engines.connectors import (
+from kvgate.engines.connectors import (
     ConnectorParams,
     EngineIds,
     MooncakeParams,
@@ -27,11 +27,11 @@ from engines.connectors import (
     engine_id_from_query,
     transfer_id,
 )
-from engines.sim.bootstrap import BootstrapServer
-from engines.sim.pd import KvBoard
-from middleware.connector import Connector, HopContext, TransferUnavailable
-from middleware.registry import Registry
-from middleware.types import Api, Endpoint, InferenceRequest, Role
+from kvgate.engines.sim.bootstrap import BootstrapServer
+from kvgate.engines.sim.core.pd import KvBoard
+from kvgate.middleware.framework.connector import Connector, HopContext, TransferUnavailable
+from kvgate.middleware.framework.registry import Registry
+from kvgate.middleware.framework.types import Api, Endpoint, InferenceRequest, Role
 from tests.servers import free_port
 
 PREFILL = Endpoint("p", "http://10.0.0.5:8100", "vllm", role=Role.PREFILL)

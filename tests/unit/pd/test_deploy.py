@@ -10,14 +10,14 @@ from typing import Any
 import pytest
 import yaml
 
-from engines.connectors import VllmMooncakeConnector
-from engines.deploy import FleetSpec, render
-from middleware import cli
-from middleware.config import parse_config
-from middleware.connector import HopContext
-from middleware.pipeline import build_pipeline
-from middleware.registry import Registry
-from middleware.types import Endpoint, Role
+from kvgate.engines.connectors import VllmMooncakeConnector
+from kvgate.engines.deploy.render import FleetSpec, render
+from kvgate.middleware import cli
+from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.connector import HopContext
+from kvgate.middleware.framework.pipeline import build_pipeline
+from kvgate.middleware.framework.registry import Registry
+from kvgate.middleware.framework.types import Endpoint, Role
 
 
 def _fleet(protocol: str, **extra: Any) -> FleetSpec:

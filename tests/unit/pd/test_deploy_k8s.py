@@ -15,10 +15,10 @@ import yaml
 from helm_python.chart import Chart
 from helm_python.chart import lint as helm_lint
 
-from engines.deploy import FleetSpec, load_fleet, render
-from engines.deploy_k8s import render_chart, render_k8s
-from middleware import cli
-from middleware.config import parse_config
+from kvgate.engines.deploy.k8s import render_chart, render_k8s
+from kvgate.engines.deploy.render import FleetSpec, load_fleet, render
+from kvgate.middleware import cli
+from kvgate.middleware.framework.config import parse_config
 
 K8S_VERSION = "1.33.0"
 ROOT = Path(__file__).resolve().parents[3]

@@ -6,14 +6,14 @@ import time
 
 import pytest
 
-from middleware.errors import NoEndpointAvailable
-from middleware.scheduler import Profile, Scheduler, WeightedScorer
-from middleware.types import Api, CycleState, Endpoint, InferenceRequest, Role
-from plugins.filters import HealthFilter, RoleFilter
-from plugins.pd import PdProfileHandler, prefill_pays
-from plugins.pickers import MaxScorePicker
-from plugins.scorers import LeastInFlightScorer
-from plugins.state import PREFIX_MATCH, TOKEN_IDS, PrefixMatch
+from kvgate.middleware.framework.errors import NoEndpointAvailable
+from kvgate.middleware.framework.scheduler import Profile, Scheduler, WeightedScorer
+from kvgate.middleware.framework.types import Api, CycleState, Endpoint, InferenceRequest, Role
+from kvgate.plugins.basic.filters import HealthFilter, RoleFilter
+from kvgate.plugins.basic.pickers import MaxScorePicker
+from kvgate.plugins.basic.scorers import LeastInFlightScorer
+from kvgate.plugins.common.state import PREFIX_MATCH, TOKEN_IDS, PrefixMatch
+from kvgate.plugins.pd.profile_handler import PdProfileHandler, prefill_pays
 from tests.plugin_helpers import make_plugin
 
 

@@ -6,8 +6,15 @@ import time
 
 import pytest
 
-from middleware.types import Api, CycleState, Endpoint, InferenceRequest, Role, RoutingDecision
-from plugins.token_load import IDLE, Charge, EngineLoad, LoadTracker, TokenLoadScorer
+from kvgate.middleware.framework.types import (
+    Api,
+    CycleState,
+    Endpoint,
+    InferenceRequest,
+    Role,
+    RoutingDecision,
+)
+from kvgate.plugins.load.token_load import IDLE, Charge, EngineLoad, LoadTracker, TokenLoadScorer
 from tests.plugin_helpers import NoLookup
 
 

@@ -8,9 +8,9 @@ import argparse
 import aiohttp
 import pytest
 
-from engines.sim.bootstrap import BootstrapServer
-from engines.sim.cli import child_argv, config_from_args, register
-from engines.sim.pd import KvBoard, Transfer
+from kvgate.engines.sim.bootstrap import BootstrapServer
+from kvgate.engines.sim.cli import child_argv, config_from_args, register
+from kvgate.engines.sim.core.pd import KvBoard, Transfer
 
 
 def _parse(*argv: str) -> argparse.Namespace:

@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from apis.openai import ChatCompletions, OpenAITap
-from middleware.connector import PrefillHit, reported_cached, rewrite_usage
-from middleware.disagg import UsageRewriter
-from middleware.sse import EventRelay
-from middleware.types import Usage
+from kvgate.apis.openai import ChatCompletions, OpenAITap
+from kvgate.middleware.framework.connector import PrefillHit, reported_cached, rewrite_usage
+from kvgate.middleware.framework.types import Usage
+from kvgate.middleware.serving.disagg import UsageRewriter
+from kvgate.middleware.serving.sse import EventRelay
 
 
 def _relay(strip: bool, rw: UsageRewriter) -> EventRelay:
@@ -119,7 +119,7 @@ def test_sse_missing_usage_chunk() -> None:
 
 
 #: (case, decode usage, prefill hit, cached the client and hooks see). Cache writes the decode
-#: engine reports stay; the hit is clamped into what is left of the prompt, so pricing.cost
+#: engine reports stay; the hit is clamped into what is left of the prompt, so kvgate.pricing.cost
 #: (which refuses reads + writes beyond the prompt) never raises.
 CLAMP_CASES: list[tuple[str, Usage, int | None, int | None]] = [
     ("hit within the prompt", Usage(100, 3, None, 30), 60, 60),
@@ -137,9 +137,9 @@ def test_adjust_clamps_the_hit_into_prompt_minus_writes(case: str, usage: Usage,
                                                         expected: int | None) -> None:
     from decimal import Decimal
 
-    from apis.anthropic import MessagesAdapter
-    from pricing.cost import TokenCounts, cost
-    from pricing.prices import ModelPrice
+    from kvgate.apis.anthropic import MessagesAdapter
+    from kvgate.pricing.cost import TokenCounts, cost
+    from kvgate.pricing.prices import ModelPrice
 
     prefill = PrefillHit()
     prefill.set(hit)

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from middleware.types import CycleState
-from plugins import approx_tokens
-from plugins.state import TOKEN_IDS
-from plugins.tokenization import Tokenizer
+from kvgate.middleware.framework.types import CycleState
+from kvgate.plugins.common.state import TOKEN_IDS
+from kvgate.plugins.prefix import approx_tokens
+from kvgate.plugins.prefix.tokenizer import Tokenizer
 from tests.plugin_helpers import make_plugin, prompt_of
 from tests.unit.routing_load.helpers import req
 
@@ -78,8 +78,8 @@ async def test_the_tokenizer_plugin_loads_it_by_name() -> None:
 
 
 async def test_pseudo_tokens_are_flagged_inexact_but_client_token_ids_are_not() -> None:
-    from middleware.types import Api
-    from plugins.state import TOKEN_IDS_INEXACT
+    from kvgate.middleware.framework.types import Api
+    from kvgate.plugins.common.state import TOKEN_IDS_INEXACT
 
     plugin = make_plugin(Tokenizer, tokenizer={"kind": "module", "module": "approx"})
     await plugin.start()

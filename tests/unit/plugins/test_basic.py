@@ -9,12 +9,19 @@ from typing import Any
 
 import pytest
 
-from middleware.errors import NoEndpointAvailable
-from middleware.plugin import Plugin
-from middleware.types import Api, CycleState, Endpoint, InferenceRequest, Role, ScoredEndpoint
-from plugins.filters import HealthFilter, ModelFilter, RoleFilter
-from plugins.pickers import MaxScorePicker, RoundRobinPicker, WeightedRandomPicker
-from plugins.scorers import LeastInFlightScorer
+from kvgate.middleware.framework.errors import NoEndpointAvailable
+from kvgate.middleware.framework.plugin import Plugin
+from kvgate.middleware.framework.types import (
+    Api,
+    CycleState,
+    Endpoint,
+    InferenceRequest,
+    Role,
+    ScoredEndpoint,
+)
+from kvgate.plugins.basic.filters import HealthFilter, ModelFilter, RoleFilter
+from kvgate.plugins.basic.pickers import MaxScorePicker, RoundRobinPicker, WeightedRandomPicker
+from kvgate.plugins.basic.scorers import LeastInFlightScorer
 from tests.plugin_helpers import make_plugin
 
 

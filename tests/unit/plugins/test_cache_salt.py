@@ -14,22 +14,22 @@ from typing import Any
 
 import pytest
 
-from middleware.cli import main
-from middleware.errors import ConfigError
-from middleware.types import CycleState, InferenceRequest
-from plugins.auth import ApiKey
-from plugins.cache_salt import CacheSalt, derive_salt, tenant_scope
-from plugins.gateway_secret import (
+from kvgate.middleware.cli import main
+from kvgate.middleware.framework.errors import ConfigError
+from kvgate.middleware.framework.types import CycleState, InferenceRequest
+from kvgate.plugins.common.state import CACHE_SALT
+from kvgate.plugins.load.session_affinity import session_key
+from kvgate.plugins.prefix.index.hashing import request_extra_keys
+from kvgate.plugins.prefix.index.index import KvIndex
+from kvgate.plugins.tenancy.auth import ApiKey
+from kvgate.plugins.tenancy.cache_salt import CacheSalt, derive_salt, tenant_scope
+from kvgate.plugins.tenancy.gateway_secret import (
     CACHE_SALT_PURPOSE,
     SESSION_PURPOSE,
     GatewaySecret,
     load_secret,
     session_digest,
 )
-from plugins.kv_hashing import request_extra_keys
-from plugins.kv_index import KvIndex
-from plugins.session_affinity import session_key
-from plugins.state import CACHE_SALT
 
 FIXTURE = json.loads(Path(__file__).with_name("vllm_salt_fixture.json").read_text())
 SECRET = GatewaySecret(b"s" * 40, "env TEST")

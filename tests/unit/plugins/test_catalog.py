@@ -10,14 +10,14 @@ from typing import Any
 import pytest
 import yaml
 
-from middleware.backend import MODEL_PLAN, BackendStep, PoolStep
-from middleware.config import parse_config
-from middleware.errors import ConfigError, ModelNotFound
-from middleware.pipeline import build_pipeline
-from middleware.registry import Registry
-from middleware.types import Api, CycleState, InferenceRequest
-from plugins.auth import ApiKey
-from plugins.catalog import CATALOG_ENTRY, Catalog
+from kvgate.middleware.framework.backend import MODEL_PLAN, BackendStep, PoolStep
+from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.errors import ConfigError, ModelNotFound
+from kvgate.middleware.framework.pipeline import build_pipeline
+from kvgate.middleware.framework.registry import Registry
+from kvgate.middleware.framework.types import Api, CycleState, InferenceRequest
+from kvgate.plugins.catalog.plugin import CATALOG_ENTRY, Catalog
+from kvgate.plugins.tenancy.auth import ApiKey
 
 POOL: dict[str, Any] = {"name": "sim-model", "aliases": ["sim"], "pool": {"engines": ["e0"]}}
 PROV: dict[str, Any] = {"name": "claude", "provider": {"model": "anthropic/claude-x", "api_key_env": "KVG_T_KEY"}}

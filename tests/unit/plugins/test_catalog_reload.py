@@ -1,4 +1,4 @@
-"""Catalog reload (plugins/catalog.py's Reloadable side, driven by plugins/reload.py): a new
+"""Catalog reload (plugins/catalog/plugin.py's Reloadable side, driven by plugins/common/reload.py): a new
 file is checked against the gateway config the catalog was built with; a refused one keeps the
 last good catalog serving."""
 
@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import yaml
 
-from middleware.config import parse_config
-from middleware.pipeline import build_pipeline
-from middleware.registry import Registry
-from plugins.catalog import Catalog
-from plugins.reload import FileReloader
+from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.pipeline import build_pipeline
+from kvgate.middleware.framework.registry import Registry
+from kvgate.plugins.catalog.plugin import Catalog
+from kvgate.plugins.common.reload import FileReloader
 
 POOL: dict[str, Any] = {"name": "sim-model", "aliases": ["sim"], "pool": {"engines": ["e0"]}}
 
@@ -70,7 +70,7 @@ async def test_billing_price_book_reload_keeps_the_last_good(tmp_path: Path) -> 
     import datetime as dt
     from decimal import Decimal
 
-    from plugins.billing import Billing
+    from kvgate.plugins.billing.plugin import Billing
 
     prices = tmp_path / "prices.yaml"
     prices.write_text("models:\n  m: {input_per_mtok: '1', output_per_mtok: '2'}\n")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from middleware.errors import ConfigError
-from plugins.auth import NO_LIMITS, Limits, hash_key, load_keys
+from kvgate.middleware.framework.errors import ConfigError
+from kvgate.plugins.tenancy.auth import NO_LIMITS, Limits, hash_key, load_keys
 
 
 def test_key_and_tenant_limits_are_loaded(tmp_path: Path) -> None:

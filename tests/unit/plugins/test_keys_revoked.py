@@ -1,4 +1,4 @@
-"""The revocation list's rules (plugins/keys_revoked.py): what a key set refuses, what a
+"""The revocation list's rules (plugins/tenancy/keys_revoked.py): what a key set refuses, what a
 rotation replaced, how a list applies to keys and to the index, and the file's merge."""
 
 from __future__ import annotations
@@ -9,9 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from middleware.errors import ConfigError
-from plugins.keys_model import KeyEntry, KeysFile, build_index, hash_key
-from plugins.keys_revoked import Refusal, Revocations, read_list, refusals, replaced, write_list
+from kvgate.middleware.framework.errors import ConfigError
+from kvgate.plugins.tenancy.keys_model import KeyEntry, KeysFile, build_index, hash_key
+from kvgate.plugins.tenancy.keys_revoked import (
+    Refusal,
+    Revocations,
+    read_list,
+    refusals,
+    replaced,
+    write_list,
+)
 
 NOW = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
 A, B, C = hash_key("a"), hash_key("b"), hash_key("c")

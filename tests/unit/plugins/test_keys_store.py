@@ -1,5 +1,5 @@
-"""The key stores and operations (plugins/keys_store.py), the key index's grace period
-(plugins/keys_model.py) and keep-last-good reloads (plugins/reload.py): through their real
+"""The key stores and operations (plugins/tenancy/keys_store.py), the key index's grace period
+(plugins/tenancy/keys_model.py) and keep-last-good reloads (plugins/common/reload.py): through their real
 interfaces, with a real redis-server for the Redis store."""
 
 from __future__ import annotations
@@ -15,9 +15,16 @@ from typing import Any
 import pytest
 import yaml
 
-from middleware.errors import ConfigError, HTTPError, NotFound
-from plugins.keys_model import KeysFile, Limits, build_index, hash_key, read_keys_file
-from plugins.keys_store import (
+from kvgate.middleware.framework.errors import ConfigError, HTTPError, NotFound
+from kvgate.plugins.common.reload import FileReloader
+from kvgate.plugins.tenancy.keys_model import (
+    KeysFile,
+    Limits,
+    build_index,
+    hash_key,
+    read_keys_file,
+)
+from kvgate.plugins.tenancy.keys_store import (
     Conflict,
     FileKeyStore,
     NewKey,
@@ -28,7 +35,6 @@ from plugins.keys_store import (
     rotate_key,
     set_tenant,
 )
-from plugins.reload import FileReloader
 from tests.servers import REDIS_SERVER, RedisServer
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from plugins.limits.local import LocalStore
-from plugins.limits.model import Ask, QuotaStore, ScopeLimits, Settlement, Verdict
-from plugins.limits.redis_store import RedisStore, Unseeded, connect
+from kvgate.plugins.quotas.local import LocalStore
+from kvgate.plugins.quotas.model import Ask, QuotaStore, ScopeLimits, Settlement, Verdict
+from kvgate.plugins.quotas.redis_store import RedisStore, Unseeded, connect
 from tests.servers import REDIS_SERVER, RedisServer, free_port
 
 _ids = itertools.count()

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from middleware.errors import ConfigError, RateLimited, ServiceUnavailable
-from middleware.types import Api, CycleState, InferenceRequest
-from plugins.auth import ApiKey, Limits
-from plugins.billing import Billing
-from plugins.quotas import Quotas, _duration
+from kvgate.middleware.framework.errors import ConfigError, RateLimited, ServiceUnavailable
+from kvgate.middleware.framework.types import Api, CycleState, InferenceRequest
+from kvgate.plugins.billing.plugin import Billing
+from kvgate.plugins.quotas.plugin import Quotas, _duration
+from kvgate.plugins.tenancy.auth import ApiKey, Limits
 from tests.asyncq_helpers import until
 from tests.integration.billing_helpers import PRICES_YAML
 from tests.servers import REDIS_SERVER, RedisServer, free_port

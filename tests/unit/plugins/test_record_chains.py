@@ -1,4 +1,4 @@
-"""The record-chain memo (plugins/record_chains.py): always the chain record_hash computes,
+"""The record-chain memo (plugins/prefix/record_chains.py): always the chain record_hash computes,
 reusing a recent prompt's blocks where they agree, bounded in bytes."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from array import array
 
 import pytest
 
-from plugins import record_hash
-from plugins.kv_hashing import HashingError
-from plugins.record_chains import ChainMemo
+from kvgate.plugins.prefix import record_hash
+from kvgate.plugins.prefix.index.hashing import HashingError
+from kvgate.plugins.prefix.record_chains import ChainMemo
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:

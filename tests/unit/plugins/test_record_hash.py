@@ -1,4 +1,4 @@
-"""The gateway record's vectorised block hash (plugins/record_hash.py): the same integers as the
+"""The gateway record's vectorised block hash (plugins/prefix/record_hash.py): the same integers as the
 plain-Python statement of the algorithm, prefix-stable, scoped, and refusing what it cannot
 hash."""
 
@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from plugins import record_hash
-from plugins.kv_hashing import HashingError
+from kvgate.plugins.prefix import record_hash
+from kvgate.plugins.prefix.index.hashing import HashingError
 
 
 def _ids(seed: int, n: int) -> list[int]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from plugins.shared_tier import TierLink, fold_shared
-from plugins.state import PrefixMatch
+from kvgate.plugins.common.state import PrefixMatch
+from kvgate.plugins.prefix.shared_tier import TierLink, fold_shared
 
 
 @pytest.mark.parametrize(("link", "credit"), [

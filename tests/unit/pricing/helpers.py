@@ -6,9 +6,9 @@ import datetime as dt
 import random
 from decimal import Decimal
 
-from pricing.cost import TokenCounts, cost
-from pricing.prices import ModelPrice
-from pricing.records import LedgerRecord, cost_fields
+from kvgate.pricing.cost import TokenCounts, cost
+from kvgate.pricing.prices import ModelPrice
+from kvgate.pricing.records import LedgerRecord, cost_fields
 
 T0 = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
 KIMI = ModelPrice(input=Decimal("0.60") / 10**6, cached_input=Decimal("0.10") / 10**6,

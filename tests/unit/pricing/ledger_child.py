@@ -10,8 +10,8 @@ import asyncio
 import sys
 from pathlib import Path
 
-from pricing.backends import open_backend
-from pricing.ledger import Ledger
+from kvgate.pricing.backends.base import open_backend
+from kvgate.pricing.ledger import Ledger
 from tests.unit.pricing.helpers import record
 
 WORKERS = 8

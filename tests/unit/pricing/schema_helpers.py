@@ -1,12 +1,12 @@
-"""A ledger table in the schema before :data:`pricing.backends.ADDED_COLUMNS` existed, to test
+"""A ledger table in the schema before :data:`kvgate.pricing.backends.base.ADDED_COLUMNS` existed, to test
 that opening a backend on it upgrades it in place."""
 
 from __future__ import annotations
 
 import datetime as dt
 
-from pricing.backends import ADDED_COLUMNS, TABLE, column_types, open_backend
-from pricing.records import DECIMAL_FIELDS
+from kvgate.pricing.backends.base import ADDED_COLUMNS, TABLE, column_types, open_backend
+from kvgate.pricing.records import DECIMAL_FIELDS
 from tests.unit.pricing.helpers import record
 
 ALL = (dt.datetime(2000, 1, 1, tzinfo=dt.UTC), dt.datetime(2100, 1, 1, tzinfo=dt.UTC))

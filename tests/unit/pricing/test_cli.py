@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from pricing.backends import open_backend
-from pricing.cli import parse_time, register
-from pricing.records import COLUMNS, LedgerRecord
+from kvgate.pricing.backends.base import open_backend
+from kvgate.pricing.cli import parse_time, register
+from kvgate.pricing.records import COLUMNS, LedgerRecord
 from tests.unit.pricing.helpers import T0, random_records
 
 

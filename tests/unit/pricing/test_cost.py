@@ -8,9 +8,9 @@ from decimal import Decimal
 
 import pytest
 
-from pricing.cost import CachedSource, TokenCounts, cost
-from pricing.money import QUANTUM, money_str, parse_decimal, usd
-from pricing.prices import ModelPrice
+from kvgate.pricing.cost import CachedSource, TokenCounts, cost
+from kvgate.pricing.money import QUANTUM, money_str, parse_decimal, usd
+from kvgate.pricing.prices import ModelPrice
 from tests.unit.pricing.helpers import KIMI
 
 D = Decimal

@@ -1,4 +1,4 @@
-"""pricing.backends.LazyConnection, the connection holder both ledger backends share: opened on
+"""kvgate.pricing.backends.base.LazyConnection, the connection holder both ledger backends share: opened on
 first use, kept across calls, dropped (and reopened by the next call) only after an error that
 maps to LedgerUnavailable; the driver error is the ``__cause__`` only with ``chain``."""
 
@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from pricing.backends import LazyConnection, LedgerRejected, LedgerUnavailable
+from kvgate.pricing.backends.base import LazyConnection, LedgerRejected, LedgerUnavailable
 
 
 class DriverError(Exception):

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from pricing.backends import LedgerRejected, open_backend
-from pricing.ledger import Ledger, LedgerClosed
-from pricing.records import LedgerRecord
-from pricing.spool import Spool, SpoolError
+from kvgate.pricing.backends.base import LedgerRejected, open_backend
+from kvgate.pricing.ledger import Ledger, LedgerClosed
+from kvgate.pricing.records import LedgerRecord
+from kvgate.pricing.spool import Spool, SpoolError
 from tests.unit.pricing.helpers import record
 
 ROOT = Path(__file__).resolve().parents[3]

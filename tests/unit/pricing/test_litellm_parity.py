@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 
-from pricing.cost import TokenCounts, cost
-from pricing.prices import ModelPrice, PriceBook, to_litellm
+from kvgate.pricing.cost import TokenCounts, cost
+from kvgate.pricing.prices import ModelPrice, PriceBook, to_litellm
 
 D = Decimal
 M = D(10**6)

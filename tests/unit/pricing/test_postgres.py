@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from pricing.backends import TABLE, LedgerUnavailable, open_backend
-from pricing.ledger import Ledger
-from pricing.records import LedgerRecord
+from kvgate.pricing.backends.base import TABLE, LedgerUnavailable, open_backend
+from kvgate.pricing.ledger import Ledger
+from kvgate.pricing.records import LedgerRecord
 from tests.pg_server import PgServer, pg_server
 from tests.servers import free_port
 from tests.unit.pricing.helpers import T0, random_records, record

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pricing.prices import (
+from kvgate.pricing.prices import (
     EPOCH,
     ModelPrice,
     PriceBook,

@@ -37,7 +37,7 @@ def test_modules_stay_small(path: Path) -> None:
 
 
 def test_importing_pulls_in_no_gateway_module() -> None:
-    code = ("import sys, pricing.cli, pricing.ledger, pricing.usage_api, pricing.bench; "
+    code = ("import sys, kvgate.pricing.cli, kvgate.pricing.ledger, kvgate.pricing.usage_api, kvgate.pricing.bench; "
             f"print(sorted(m for m in sys.modules if m.split('.')[0] in {sorted(FORBIDDEN)!r}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent, check=True,
                          capture_output=True, text=True).stdout

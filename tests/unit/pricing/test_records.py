@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from pricing.cli import csv_row
-from pricing.records import COLUMNS, LedgerRecord, RecordError
+from kvgate.pricing.cli import csv_row
+from kvgate.pricing.records import COLUMNS, LedgerRecord, RecordError
 from tests.unit.pricing.helpers import T0, record
 
 

@@ -7,7 +7,7 @@ import contextlib
 import sqlite3
 from pathlib import Path
 
-from pricing.backends import TABLE, add_columns_sql
+from kvgate.pricing.backends.base import TABLE, add_columns_sql
 from tests.unit.pricing.schema_helpers import check_upgraded, old_row, old_table_sql
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pricing.spool import QUARANTINE, Cursor, Spool, SpoolError
+from kvgate.pricing.spool import QUARANTINE, Cursor, Spool, SpoolError
 
 
 def _lines(prefix: str, n: int) -> list[bytes]:

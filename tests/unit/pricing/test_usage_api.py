@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from pricing.backends import LedgerBackend, open_backend
-from pricing.ledger import Ledger
-from pricing.records import LedgerRecord
-from pricing.usage_api import (
+from kvgate.pricing.backends.base import LedgerBackend, open_backend
+from kvgate.pricing.ledger import Ledger
+from kvgate.pricing.records import LedgerRecord
+from kvgate.pricing.usage_api import (
     RESULT_OBJECT,
     UsageQuery,
     UsageQueryError,

@@ -1,6 +1,6 @@
 """The golden table of usage conventions: raw usage JSON -> normalised counts -> cost.
 
-Every case is priced with one fixed card through :func:`pricing.cost.cost` (Decimal). Each row
+Every case is priced with one fixed card through :func:`kvgate.pricing.cost.cost` (Decimal). Each row
 asserts the counts (nothing double counted: ``prompt = uncached + cached + cache_write`` with
 every part non-negative; no cached token lost: ``cost.cached_tokens`` is what the provider
 reported) and the exact total. Rows marked with a LiteLLM issue are the usage its users hit,
@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from pricing.cost import CachedSource, TokenCounts, cost
-from pricing.prices import ModelPrice
-from pricing.usage_conventions import Convention, normalise
+from kvgate.pricing.cost import CachedSource, TokenCounts, cost
+from kvgate.pricing.prices import ModelPrice
+from kvgate.pricing.usage_conventions import Convention, normalise
 
 M = Decimal(1_000_000)
 #: $3 / M input, $0.30 / M cached, $3.75 / M cache write, $15 / M output.
@@ -183,12 +183,12 @@ def test_impossible_numbers_are_clamped_not_double_billed() -> None:
 
 
 def test_the_adapters_use_these_normalisers() -> None:
-    import apis.anthropic
-    import apis.responses
-    from pricing import usage_conventions
+    import kvgate.apis.anthropic
+    import kvgate.apis.responses
+    from kvgate.pricing import usage_conventions
 
-    assert vars(apis.anthropic)["from_anthropic"] is usage_conventions.from_anthropic
-    assert vars(apis.responses)["from_openai_responses"] is (
+    assert vars(kvgate.apis.anthropic)["from_anthropic"] is usage_conventions.from_anthropic
+    assert vars(kvgate.apis.responses)["from_openai_responses"] is (
         usage_conventions.from_openai_responses)
 
 
@@ -201,6 +201,6 @@ class _Count(int):
     ("3", None), (_Count(5), 5), (_Count(-5), None), ([1], None),
 ])
 def test_a_count_is_a_non_negative_int_not_a_bool(value: object, expected: int | None) -> None:
-    from pricing.usage_conventions import count
+    from kvgate.pricing.usage_conventions import count
 
     assert count(value) == expected

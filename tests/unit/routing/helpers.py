@@ -7,8 +7,8 @@ from typing import Any
 
 import msgpack
 
-from middleware.types import Api, Endpoint, InferenceRequest
-from plugins.kv_events import KvEventsSubscriber
+from kvgate.middleware.framework.types import Api, Endpoint, InferenceRequest
+from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
 from tests.plugin_helpers import NoLookup, prompt_of
 
 __all__ = ["NoLookup"]

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from middleware.types import Endpoint
-from plugins.kv_events import KvEventsSubscriber
-from plugins.kv_health import IndexState
-from plugins.kv_replay import PendingGap
-from plugins.kv_wire import EventBatch, offset_port
+from kvgate.middleware.framework.types import Endpoint
+from kvgate.plugins.prefix.events.health import IndexState
+from kvgate.plugins.prefix.events.replay import PendingGap
+from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
+from kvgate.plugins.prefix.events.wire import EventBatch, offset_port
 from tests.unit.routing.helpers import NoLookup, blocks, frames, stored
 
 BIND = "tcp://127.0.0.1:5999"

@@ -7,7 +7,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from plugins.kv_events import (
+from kvgate.plugins.prefix.events.subscriber import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

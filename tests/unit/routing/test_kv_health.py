@@ -8,7 +8,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from plugins.kv_health import HealthParams, IndexHealth, IndexState, Policy, Source
+from kvgate.plugins.prefix.events.health import (
+    HealthParams,
+    IndexHealth,
+    IndexState,
+    Policy,
+    Source,
+)
 from tests.unit.routing.helpers import Clock
 
 PARAMS = HealthParams(silence_s=5, unknown_topic_hold_s=30, window=10, min_checks=5,

@@ -7,7 +7,7 @@ from array import array
 
 import pytest
 
-from plugins.kv_index import (
+from kvgate.plugins.prefix.index.index import (
     HashingError,
     KvIndex,
     chain_hashes,

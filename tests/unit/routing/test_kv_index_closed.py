@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import pytest
 
-from plugins.kv_index import DEVICE, LEARNED, KvIndex
-from plugins.prefix_cache import RECORD_EXPIRY_STEP_S, record_expiry
+from kvgate.plugins.prefix.index.index import DEVICE, LEARNED, KvIndex
+from kvgate.plugins.prefix.producer import RECORD_EXPIRY_STEP_S, record_expiry
 
 BS = 64
 

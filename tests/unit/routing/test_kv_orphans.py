@@ -1,5 +1,5 @@
 """Events whose parent the index lost (gateway restart, reset) are re-keyed from the prompts the
-gateway recently routed (plugins/kv_recent.py, KvIndex._resolve)."""
+gateway recently routed (plugins/prefix/index/recent.py, KvIndex._resolve)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from middleware.types import Api, CycleState, RoutingDecision
-from plugins.kv_index import KvIndex, chain_hashes, request_extra_keys
-from plugins.kv_recent import SCAN_PROMPTS, RecentPrompts, pack_tokens
-from plugins.prefix_cache import PrefixCacheProducer
-from plugins.state import PREFIX_MATCH, TOKEN_IDS
+from kvgate.middleware.framework.types import Api, CycleState, RoutingDecision
+from kvgate.plugins.common.state import PREFIX_MATCH, TOKEN_IDS
+from kvgate.plugins.prefix.index.index import KvIndex, chain_hashes, request_extra_keys
+from kvgate.plugins.prefix.index.recent import SCAN_PROMPTS, RecentPrompts, pack_tokens
+from kvgate.plugins.prefix.producer import PrefixCacheProducer
 from tests.unit.routing.helpers import Clock, Lookup, endpoint, frames, removed, request, stored
 from tests.unit.routing.helpers import subscriber as make_subscriber
 

@@ -8,7 +8,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from plugins.kv_events import KvEventsSubscriber
+from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
 from tests.unit.routing.helpers import NoLookup, blocks, cleared, endpoint, frames, removed, stored
 
 TIMEOUT_S = 5.0
@@ -73,7 +73,7 @@ async def test_pub_to_subscriber_over_tcp(direction: str) -> None:
 
 
 async def test_stop_is_idempotent_and_bad_bind_is_a_config_error() -> None:
-    from middleware.errors import ConfigError
+    from kvgate.middleware.framework.errors import ConfigError
 
     sub = KvEventsSubscriber("kv-events", KvEventsSubscriber.Params(bind="tcp://256.1.1.1:1"),
                              NoLookup())

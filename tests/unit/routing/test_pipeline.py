@@ -7,21 +7,21 @@ from typing import Any
 
 import pytest
 
-from engines.sim import tokenizer as sim_tokenizer
-from engines.vllm import VllmAdapter
-from middleware.config import parse_config
-from middleware.errors import ConfigError
-from middleware.pipeline import Pipeline, build_pipeline
-from middleware.registry import Registry
-from middleware.types import Api, CycleState, Endpoint, RoutingDecision
-from plugins.kv_events import KvEventsSubscriber
-from plugins.prefix_cache import PrefixCacheProducer, PrefixCacheScorer
-from plugins.state import PREFIX_MATCH, PrefixMatch
-from plugins.tokenization import Tokenizer
+from kvgate.engines.sim.core import tokenizer as sim_tokenizer
+from kvgate.engines.vllm import VllmAdapter
+from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.errors import ConfigError
+from kvgate.middleware.framework.pipeline import Pipeline, build_pipeline
+from kvgate.middleware.framework.registry import Registry
+from kvgate.middleware.framework.types import Api, CycleState, Endpoint, RoutingDecision
+from kvgate.plugins.common.state import PREFIX_MATCH, PrefixMatch
+from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
+from kvgate.plugins.prefix.producer import PrefixCacheProducer, PrefixCacheScorer
+from kvgate.plugins.prefix.tokenizer import Tokenizer
 from tests.unit.middleware.fakes import Best
 from tests.unit.routing.helpers import endpoint, frames, request, stored
 
-SIM = {"kind": "module", "module": "engines.sim.tokenizer"}
+SIM = {"kind": "module", "module": "kvgate.engines.sim.core.tokenizer"}
 PLUGINS: list[dict[str, Any]] = [
     {"type": "kv-events"},
     {"type": "tokenizer", "params": {"tokenizer": SIM}},

@@ -7,11 +7,18 @@ from typing import Any
 
 import pytest
 
-from middleware.types import Api, CycleState, Endpoint, EngineMetrics, RoutingDecision, Usage
-from plugins.kv_events import KvEventsSubscriber
-from plugins.kv_health import IndexState
-from plugins.prefix_cache import PrefixCacheProducer
-from plugins.state import PREFIX_MATCH, TOKEN_IDS, TOKEN_IDS_INEXACT, PrefixMatch
+from kvgate.middleware.framework.types import (
+    Api,
+    CycleState,
+    Endpoint,
+    EngineMetrics,
+    RoutingDecision,
+    Usage,
+)
+from kvgate.plugins.common.state import PREFIX_MATCH, TOKEN_IDS, TOKEN_IDS_INEXACT, PrefixMatch
+from kvgate.plugins.prefix.events.health import IndexState
+from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
+from kvgate.plugins.prefix.producer import PrefixCacheProducer
 from tests.unit.routing.helpers import (
     Clock,
     Lookup,

@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
-from middleware.errors import ConfigError
-from middleware.types import Api, CycleState, Endpoint, RoutingDecision
-from plugins.kv_events import KvEventsSubscriber
-from plugins.prefix_cache import PrefixCacheProducer, PrefixCacheScorer
-from plugins.state import PREFIX_MATCH, TOKEN_IDS, PrefixMatch
+from kvgate.middleware.framework.errors import ConfigError
+from kvgate.middleware.framework.types import Api, CycleState, Endpoint, RoutingDecision
+from kvgate.plugins.common.state import PREFIX_MATCH, TOKEN_IDS, PrefixMatch
+from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
+from kvgate.plugins.prefix.producer import PrefixCacheProducer, PrefixCacheScorer
 from tests.unit.routing.helpers import (
     Clock,
     Lookup,

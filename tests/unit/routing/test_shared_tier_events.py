@@ -4,10 +4,10 @@ such events nothing changes."""
 
 from __future__ import annotations
 
-from middleware.types import Api, CycleState, RoutingDecision, Usage
-from plugins.prefix_cache import PrefixCacheProducer
-from plugins.shared_tier import SHARED_HOLDER
-from plugins.state import PREFIX_MATCH, TOKEN_IDS, PrefixMatch
+from kvgate.middleware.framework.types import Api, CycleState, RoutingDecision, Usage
+from kvgate.plugins.common.state import PREFIX_MATCH, TOKEN_IDS, PrefixMatch
+from kvgate.plugins.prefix.producer import PrefixCacheProducer
+from kvgate.plugins.prefix.shared_tier import SHARED_HOLDER
 from tests.unit.routing.helpers import (
     Clock,
     Lookup,

@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from engines.sim.config import KvEventsConfig, SimConfig
-from engines.sim.engine import SimEngine
-from engines.sim.scheduler import SeqSpec
-from plugins.kv_events import KvEventsSubscriber
-from plugins.kv_index import chain_hashes, request_extra_keys
+from kvgate.engines.sim.core.config import KvEventsConfig, SimConfig
+from kvgate.engines.sim.core.engine import SimEngine
+from kvgate.engines.sim.core.scheduler import SeqSpec
+from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
+from kvgate.plugins.prefix.index.index import chain_hashes, request_extra_keys
 from tests.unit.routing.helpers import NoLookup, endpoint
 
 BS = 16

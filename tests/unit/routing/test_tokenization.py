@@ -12,11 +12,11 @@ import pytest
 from tokenizers import Tokenizer as HfTokenizer
 
 from bench.tokenization import loop_ticks_while
-from engines.sim import tokenizer as sim_tokenizer
-from middleware.errors import ConfigError
-from middleware.types import Api, CycleState, InferenceRequest
-from plugins.state import TOKEN_IDS
-from plugins.tokenization import (
+from kvgate.engines.sim.core import tokenizer as sim_tokenizer
+from kvgate.middleware.framework.errors import ConfigError
+from kvgate.middleware.framework.types import Api, CycleState, InferenceRequest
+from kvgate.plugins.common.state import TOKEN_IDS
+from kvgate.plugins.prefix.tokenizer import (
     ChatPrefixCache,
     ChatTokenizer,
     HfBackend,
@@ -105,7 +105,7 @@ async def _tokens(plugin: Tokenizer, req: InferenceRequest) -> tuple[int, ...] |
     return None if ids is None else tuple(ids)
 
 
-SIM = {"kind": "module", "module": "engines.sim.tokenizer"}
+SIM = {"kind": "module", "module": "kvgate.engines.sim.core.tokenizer"}
 
 PASSTHROUGH = [
     ("token ids", {"prompt": [5, 6, 7]}, (5, 6, 7)),
@@ -229,7 +229,7 @@ def test_hf_spec_checks_the_folder(tmp_path: Path) -> None:
 #: (case, spec fields besides kind/model_dir, error raised when the plugin is configured)
 TEMPLATE_SPECS: list[tuple[str, dict[str, str], str | None]] = [
     ("missing file", {"chat_template": "missing.jinja"}, r"missing\.jinja does not exist"),
-    ("module kind", {"kind": "module", "module": "engines.sim.tokenizer",
+    ("module kind", {"kind": "module", "module": "kvgate.engines.sim.core.tokenizer",
                      "chat_template": "t.jinja"}, "chat_template is for kind 'hf'"),
 ]
 
@@ -346,11 +346,11 @@ def test_module_backend_rejects_objects_without_the_api() -> None:
 def test_module_found_through_the_entry_point_group(monkeypatch: pytest.MonkeyPatch) -> None:
     from importlib.metadata import EntryPoint
 
-    import plugins.tokenization as tokenization
+    import kvgate.plugins.prefix.tokenizer as tokenization
 
     def fake(group: str) -> list[EntryPoint]:
         assert group == "kvgate.tokenizers"
-        return [EntryPoint(name="sim", value="engines.sim.tokenizer", group=group)]
+        return [EntryPoint(name="sim", value="kvgate.engines.sim.core.tokenizer", group=group)]
 
     monkeypatch.setattr(tokenization, "entry_points", fake)
     backend = tokenization.load_backend(TokenizerSpec(kind="module", module="sim"))

@@ -6,9 +6,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from middleware.types import Api, Endpoint, InferenceRequest, Role
-from plugins.session_affinity import SessionAffinityScorer
-from plugins.token_load import TokenImbalanceFilter, TokenLoadScorer
+from kvgate.middleware.framework.types import Api, Endpoint, InferenceRequest, Role
+from kvgate.plugins.load.session_affinity import SessionAffinityScorer
+from kvgate.plugins.load.token_load import TokenImbalanceFilter, TokenLoadScorer
 from tests.plugin_helpers import prompt_of
 
 

@@ -11,16 +11,16 @@ import httpx
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from engines.sim.config import SimConfig
-from engines.sim.testing import serve_sim
-from engines.vllm import VllmAdapter
-from middleware.app import KvgateApp, create_app
-from middleware.config import parse_config
-from middleware.plugin import CompletionHook, Plugin, PluginLookup, UsageHook
-from middleware.registry import Registry
-from middleware.types import CycleState, Endpoint, InferenceRequest, Outcome, Usage
-from plugins.session_affinity import SessionAffinityScorer
-from plugins.token_load import TokenImbalanceFilter, TokenLoadScorer
+from kvgate.engines.sim.core.config import SimConfig
+from kvgate.engines.sim.testing import serve_sim
+from kvgate.engines.vllm import VllmAdapter
+from kvgate.middleware.app import KvgateApp, create_app
+from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.plugin import CompletionHook, Plugin, PluginLookup, UsageHook
+from kvgate.middleware.framework.registry import Registry
+from kvgate.middleware.framework.types import CycleState, Endpoint, InferenceRequest, Outcome, Usage
+from kvgate.plugins.load.session_affinity import SessionAffinityScorer
+from kvgate.plugins.load.token_load import TokenImbalanceFilter, TokenLoadScorer
 from tests.unit.middleware.fakes import Best
 
 SES = "ses_f84c6ba38ffe6UeTRaX25G3KTr"

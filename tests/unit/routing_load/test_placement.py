@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from middleware.types import CycleState, Endpoint, EngineMetrics, RoutingDecision
-from plugins.insertion_ledger import InsertionLedger, SessionInsertions
-from plugins.placement import PLACEMENT, KvPlacementScorer
-from plugins.state import PREFIX_MATCH, SESSION_KEY, TOKEN_IDS, PrefixMatch
+from kvgate.middleware.framework.types import CycleState, Endpoint, EngineMetrics, RoutingDecision
+from kvgate.plugins.common.state import PREFIX_MATCH, SESSION_KEY, TOKEN_IDS, PrefixMatch
+from kvgate.plugins.placement.insertion_ledger import InsertionLedger, SessionInsertions
+from kvgate.plugins.placement.scorer import PLACEMENT, KvPlacementScorer
 from tests.unit.routing_load.helpers import Lookup, ep, load_scorer, req
 
 CAP = 10_000  # tokens per engine in these tests
@@ -86,7 +86,7 @@ def test_costs_are_tokens_of_recompute_queue_and_pressure() -> None:
 
 
 def _charge(engine: str, prefill: int) -> Any:
-    from plugins.token_load import Charge
+    from kvgate.plugins.load.token_load import Charge
     return Charge(engine, prefill, 0)
 
 
@@ -277,7 +277,7 @@ def test_metrics_reach_prometheus() -> None:
 
 
 def test_load_must_name_a_token_load_scorer() -> None:
-    from middleware.errors import ConfigError
+    from kvgate.middleware.framework.errors import ConfigError
     p = KvPlacementScorer.Params.model_validate({"load": "x"})
     with pytest.raises(ConfigError, match="not a token-load-scorer"):
         KvPlacementScorer("kv-placement-scorer", p, Lookup({"x": object()}))
@@ -289,9 +289,9 @@ def _run(coro: Any) -> None:
 
 
 def test_default_tier_weight_is_the_derived_shared_tier_credit() -> None:
-    """The default ``other_tier_weight`` is plugins/shared_tier.py's credit for its default
+    """The default ``other_tier_weight`` is plugins/prefix/shared_tier.py's credit for its default
     link and model (docs/shared-tier.md), not a convention."""
-    from plugins.shared_tier import TierLink
+    from kvgate.plugins.prefix.shared_tier import TierLink
 
     assert KvPlacementScorer.Params().other_tier_weight == round(TierLink().credit, 2)
 

@@ -10,9 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
-from middleware.config import parse_config
-from middleware.quickstart import QuickStart, quick_start_config
-from middleware.types import (
+from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.types import (
     Api,
     CycleState,
     Endpoint,
@@ -20,9 +19,10 @@ from middleware.types import (
     InferenceRequest,
     RoutingDecision,
 )
-from plugins.placement import PLACEMENT as PLACEMENT_KEY
-from plugins.placement import KvPlacementScorer
-from plugins.state import PREFIX_MATCH, SESSION_KEY, TOKEN_IDS, PrefixMatch
+from kvgate.middleware.quickstart import QuickStart, quick_start_config
+from kvgate.plugins.common.state import PREFIX_MATCH, SESSION_KEY, TOKEN_IDS, PrefixMatch
+from kvgate.plugins.placement.scorer import PLACEMENT as PLACEMENT_KEY
+from kvgate.plugins.placement.scorer import KvPlacementScorer
 from tests.unit.routing_load.helpers import Lookup
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "routing.md"

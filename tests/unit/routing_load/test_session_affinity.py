@@ -15,16 +15,16 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from middleware.errors import BadRequest
-from middleware.types import RESPONSE_HEADERS, CycleState, Endpoint
-from plugins.session_affinity import (
+from kvgate.middleware.framework.errors import BadRequest
+from kvgate.middleware.framework.types import RESPONSE_HEADERS, CycleState, Endpoint
+from kvgate.plugins.common.state import SESSION_KEY
+from kvgate.plugins.load.session_affinity import (
     DEFAULT_HEADERS,
     SessionAffinityScorer,
     hrw_order,
     hrw_weight,
     session_key,
 )
-from plugins.state import SESSION_KEY
 from tests.unit.routing_load.helpers import ep, fleet, req, session_scorer
 
 SES = "ses_f84c6ba38ffe6UeTRaX25G3KTr"
@@ -204,8 +204,8 @@ def test_hash_is_stable_across_processes() -> None:
     here = [hrw_order(k, [ep(i) for i in ids])[0].id for k in keys]
     code = (
         "import json,sys\n"
-        "from middleware.types import Endpoint\n"
-        "from plugins.session_affinity import hrw_order\n"
+        "from kvgate.middleware.framework.types import Endpoint\n"
+        "from kvgate.plugins.load.session_affinity import hrw_order\n"
         "keys, ids = json.load(sys.stdin)\n"
         "eps = [Endpoint(id=i, url='http://' + i, kind='vllm') for i in ids]\n"
         "print(json.dumps([hrw_order(k, eps)[0].id for k in keys]))\n"

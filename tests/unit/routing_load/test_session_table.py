@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from middleware.types import CycleState, Endpoint, RoutingDecision
-from plugins.session_affinity import SessionAffinityScorer, hrw_order, session_key
+from kvgate.middleware.framework.types import CycleState, Endpoint, RoutingDecision
+from kvgate.plugins.load.session_affinity import SessionAffinityScorer, hrw_order, session_key
 from tests.servers import REDIS_SERVER, RedisServer, free_port
 from tests.unit.routing_load.helpers import FakeClock, ep, fleet, req, session_scorer
 

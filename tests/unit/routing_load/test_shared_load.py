@@ -1,4 +1,4 @@
-"""In-flight token load shared between replicas (plugins/shared_load.py), against a real
+"""In-flight token load shared between replicas (plugins/load/shared_load.py), against a real
 ``redis-server``: two token-load scorers on one Redis see each other's load, a stopped replica's
 load expires, Redis stopped -> each routes on its own load and says so; the merge is pure."""
 
@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from middleware.types import CycleState, Outcome, OutcomeKind, RoutingDecision
-from plugins.shared_load import merge_loads
-from plugins.token_load import EngineLoad, TokenLoadScorer
+from kvgate.middleware.framework.types import CycleState, Outcome, OutcomeKind, RoutingDecision
+from kvgate.plugins.load.shared_load import merge_loads
+from kvgate.plugins.load.token_load import EngineLoad, TokenLoadScorer
 from tests.servers import REDIS_SERVER, RedisServer, free_port
 from tests.unit.routing_load.helpers import ep, load_scorer, req
 
@@ -113,7 +113,7 @@ async def test_redis_down_falls_back_to_own_load(redis_server: RedisServer) -> N
 
 async def test_record_insertions_reach_the_other_replicas(redis_server: RedisServer) -> None:
     """The approximate record's insertions on replica A are applied on B (not back on A)."""
-    from plugins.shared_record import RecordShare, connect_pair, decode
+    from kvgate.plugins.prefix.shared_record import RecordShare, connect_pair, decode
 
     got: dict[str, list[tuple[str, list[int]]]] = {"a": [], "b": []}
     shares = []
@@ -150,7 +150,7 @@ async def test_record_insertions_reach_the_other_replicas(redis_server: RedisSer
 
 def test_record_share_skips_repeats_within_repeat_s() -> None:
     """A hot prompt is sent once per ``repeat_s`` per engine, not per request."""
-    from plugins.shared_record import RecordShare
+    from kvgate.plugins.prefix.shared_record import RecordShare
 
     now = [0.0]
     share = RecordShare(None, None, lambda e, h: None, prefix="t:", flush_s=1, timeout_s=1,

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from middleware.errors import ConfigError
-from middleware.plugin import Plugin, Scorer
-from middleware.scheduler import Profile, Scheduler, WeightedScorer
-from middleware.types import (
+from kvgate.middleware.framework.errors import ConfigError
+from kvgate.middleware.framework.plugin import Plugin, Scorer
+from kvgate.middleware.framework.scheduler import Profile, Scheduler, WeightedScorer
+from kvgate.middleware.framework.types import (
     CycleState,
     Endpoint,
     EndpointId,
@@ -22,8 +22,8 @@ from middleware.types import (
     OutcomeKind,
     RoutingDecision,
 )
-from plugins.state import PREFIX_MATCH, TOKEN_IDS, PrefixMatch
-from plugins.token_load import (
+from kvgate.plugins.common.state import PREFIX_MATCH, TOKEN_IDS, PrefixMatch
+from kvgate.plugins.load.token_load import (
     Charge,
     EngineLoad,
     LoadTracker,

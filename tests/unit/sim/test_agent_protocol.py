@@ -7,23 +7,23 @@ from typing import Any
 
 import pytest
 
-from engines.sim.agent_common import (
+from kvgate.engines.sim.core.config import SimConfig
+from kvgate.engines.sim.http.agent_common import (
     Field,
     ValidationFailed,
     cache_write_tokens,
     check_fields,
     output_limit,
 )
-from engines.sim.config import SimConfig
-from engines.sim.messages_api import MessagesShaper, parse_messages, to_chat_messages
-from engines.sim.protocol import ApiError, Usage
-from engines.sim.responses_api import (
+from kvgate.engines.sim.http.messages_api import MessagesShaper, parse_messages, to_chat_messages
+from kvgate.engines.sim.http.protocol import ApiError, Usage
+from kvgate.engines.sim.http.responses_api import (
     ResponseStore,
     StoredResponse,
     input_messages,
     parse_responses,
 )
-from engines.sim.tokens_api import embeddings_body
+from kvgate.engines.sim.http.tokens_api import embeddings_body
 
 FIELDS = (Field("model", "str", True), Field("max_tokens", "int", True), Field("stream", "bool"))
 

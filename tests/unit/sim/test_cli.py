@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from engines.sim.cli import add_sim_arguments, child_argv, config_from_args, register
+from kvgate.engines.sim.cli import add_sim_arguments, child_argv, config_from_args, register
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -38,7 +38,7 @@ def test_flags_to_config() -> None:
 def test_children_get_consecutive_ports(kv: str, index: int, expected: str) -> None:
     args = _parse("--port", "8100", "--count", "3", "--kv-events", kv, "--time-scale", "0.5")
     argv = child_argv(args, index)
-    assert argv[:3] == [sys.executable, "-m", "engines.sim"]
+    assert argv[:3] == [sys.executable, "-m", "kvgate.engines.sim"]
     assert argv[argv.index("--port") + 1] == str(8100 + index)
     assert argv[argv.index("--engine-id") + 1] == f"sim-{8100 + index}"
     assert argv[argv.index("--kv-events") + 1] == expected

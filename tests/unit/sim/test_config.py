@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from engines.sim.config import KvEventsConfig, SimConfig
+from kvgate.engines.sim.core.config import KvEventsConfig, SimConfig
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from engines.sim.config import KvEventsConfig, SimConfig
-from engines.sim.engine import EngineDead, EngineOverloaded, SimEngine
-from engines.sim.kv_events import AllBlocksCleared, BlockRemoved, KvEventPublisher
-from engines.sim.scheduler import SeqSpec
+from kvgate.engines.sim.core.config import KvEventsConfig, SimConfig
+from kvgate.engines.sim.core.engine import EngineDead, EngineOverloaded, SimEngine
+from kvgate.engines.sim.core.kv_events import AllBlocksCleared, BlockRemoved, KvEventPublisher
+from kvgate.engines.sim.core.scheduler import SeqSpec
 
 
 def _spec(rid: str, n: int = 50, max_tokens: int = 5, seed: int = 0) -> SeqSpec:

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from engines.sim.faults import FaultSpec, FaultState
+from kvgate.engines.sim.core.faults import FaultSpec, FaultState
 
 
 @pytest.mark.parametrize(("spec", "statuses"), [

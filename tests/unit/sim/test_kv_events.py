@@ -7,7 +7,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from engines.sim.kv_events import (
+from kvgate.engines.sim.core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

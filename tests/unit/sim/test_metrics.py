@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from engines.sim.config import SimConfig
-from engines.sim.engine import SimEngine
-from engines.sim.metrics import render_metrics
-from engines.sim.scheduler import SeqSpec
-from engines.vllm import VllmAdapter, parse_prometheus
+from kvgate.engines.sim.core.config import SimConfig
+from kvgate.engines.sim.core.engine import SimEngine
+from kvgate.engines.sim.core.metrics import render_metrics
+from kvgate.engines.sim.core.scheduler import SeqSpec
+from kvgate.engines.vllm import VllmAdapter, parse_prometheus
 
 
 def _prompt(n: int, seed: int) -> list[int]:

@@ -6,7 +6,13 @@ import random
 
 import pytest
 
-from engines.sim.prefix_cache import CacheFull, PrefixCache, block_hashes, chain_hash, root_hash
+from kvgate.engines.sim.core.prefix_cache import (
+    CacheFull,
+    PrefixCache,
+    block_hashes,
+    chain_hash,
+    root_hash,
+)
 
 BS = 4
 

@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
-from engines.sim.config import SimConfig
-from engines.sim.protocol import Api, ApiError, Shaper, Usage, parse_request
-from engines.sim.scheduler import TokenOut
-from engines.sim.tokenizer import chat_token_ids, tokenize
+from kvgate.engines.sim.core.config import SimConfig
+from kvgate.engines.sim.core.scheduler import TokenOut
+from kvgate.engines.sim.core.tokenizer import chat_token_ids, tokenize
+from kvgate.engines.sim.http.protocol import Api, ApiError, Shaper, Usage, parse_request
 
 CFG = SimConfig(capacity_blocks=64, served_model_names=["m1", "m2"])  # max_model_len 1024
 MSGS = [{"role": "user", "content": "hello there"}]

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from engines.sim.config import SimConfig
-from engines.sim.kv_events import BlockRemoved, BlockStored, KvEvent
-from engines.sim.scheduler import Scheduler, SeqSpec, SeqState, Status, TokenOut
+from kvgate.engines.sim.core.config import SimConfig
+from kvgate.engines.sim.core.kv_events import BlockRemoved, BlockStored, KvEvent
+from kvgate.engines.sim.core.scheduler import Scheduler, SeqSpec, SeqState, Status, TokenOut
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from engines.sim.config import SimConfig
-from engines.sim.kv_events import BlockRemoved, BlockStored, encode_event
-from engines.sim.scheduler import Scheduler, SeqSpec
-from engines.sim.shared_tier import SharedTier, TierParams
+from kvgate.engines.sim.core.config import SimConfig
+from kvgate.engines.sim.core.kv_events import BlockRemoved, BlockStored, encode_event
+from kvgate.engines.sim.core.scheduler import Scheduler, SeqSpec
+from kvgate.engines.sim.core.shared_tier import SharedTier, TierParams
 
 
 def _tier(capacity: int, block_size: int = 2, **kw: float) -> SharedTier:

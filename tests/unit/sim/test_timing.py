@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engines.sim.config import TimingParams
-from engines.sim.timing import Chunk, TimingModel
+from kvgate.engines.sim.core.config import TimingParams
+from kvgate.engines.sim.core.timing import Chunk, TimingModel
 
 MODEL = TimingModel(TimingParams())
 

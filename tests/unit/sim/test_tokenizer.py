@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from engines.sim.tokenizer import (
+from kvgate.engines.sim.core.tokenizer import (
     NUM_SPECIAL,
     SPECIAL_TOKENS,
     VOCAB_TOTAL,

@@ -1,1 +1,0 @@
-"""Quota and budget stores of the ``quotas`` plugin (plugins/quotas.py)."""

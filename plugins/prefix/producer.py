@@ -1,0 +1,604 @@
+"""Prefix-cache routing: which engine already holds the longest prefix of the prompt.
+
+Two plugins:
+
+``prefix-cache-producer`` (DataProducer + DispatchHook + UsageHook) reads TOKEN_IDS and writes
+PREFIX_MATCH.
+
+* ``precise`` mode: looks the prompt up in the ``kv-events`` plugin's index (what the engines
+  reported through their KV events). The prompt is hashed per block size the engines use, with
+  the extra keys vLLM would attach (the LoRA adapter's name when the model is one of
+  ``lora_adapters``; the body's ``cache_salt`` on the first block), so it matches exactly the
+  blocks the engine would reuse. When a request is dispatched, its full blocks are inserted
+  *speculatively* for the target (and the prefill engine) with a short TTL, so that a burst of
+  requests sharing a new prefix follows the first one instead of spreading before the engine's
+  events arrive; a real ``BlockStored`` for the block supersedes the guess.
+* ``approximate`` mode (no events): the gateway keeps its own record of which blocks it routed
+  to which engine, in its own block size, with an LRU bound per engine (the engine's KV
+  capacity when its metrics report it, else ``engine_capacity_blocks``), a global bound and a
+  TTL. Keyed by the ``cache_salt`` the ``cache-salt`` plugin injected (state ``cache-salt``:
+  the tenant's or its sharing group's scope, exactly what separates the engines' caches), else
+  scoped by tenant (``scope_by_tenant``), since the record is the gateway's own guess.
+* ``auto`` mode: both. Per engine, the KV-event index while that engine's state is ``exact``
+  (plugins/prefix/events/health.py), else the gateway's own record, which auto mode therefore always
+  keeps. Without a ``kv-events`` plugin every engine is ``approximate``.
+
+In every mode with events, each request served by one engine compares the prediction for its
+target (device + other tiers, capped like vLLM caps a hit: the last prompt token is always
+recomputed) with the ``cached_tokens`` the engine reported; the states judge the results.
+
+``prefix-cache-scorer`` (Scorer) turns PREFIX_MATCH into a score in [0, 1]:
+``(device_tokens + other_tier_weight * other_tokens) / prompt_tokens``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import ClassVar, Literal
+
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from kvgate.middleware.framework.errors import ConfigError
+from kvgate.middleware.framework.immutable import immutable
+from kvgate.middleware.framework.plugin import (
+    DataProducer,
+    DispatchHook,
+    EndpointSetListener,
+    Lifecycle,
+    Plugin,
+    PluginLookup,
+    Scorer,
+    UsageHook,
+)
+from kvgate.middleware.framework.types import (
+    KV_CAPACITY_TOKENS,
+    CycleState,
+    Endpoint,
+    EndpointId,
+    InferenceRequest,
+    RoutingDecision,
+    StateKey,
+    Usage,
+)
+from kvgate.plugins.common.state import (
+    CACHE_SALT,
+    PREFIX_MATCH,
+    TOKEN_IDS,
+    TOKEN_IDS_INEXACT,
+    PrefixMatch,
+)
+from kvgate.plugins.prefix.events.health import IndexHealth
+from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
+from kvgate.plugins.prefix.index.index import (
+    HashingError,
+    KvIndex,
+    chain_hashes,
+    engine_of,
+    request_extra_keys,
+)
+from kvgate.plugins.prefix.record_chains import ChainMemo
+from kvgate.plugins.prefix.shared_record import RecordShare, start_record_share
+from kvgate.plugins.prefix.shared_tier import SHARED_HOLDER, fold_shared
+
+#: No engine routed on KV events (the record-only match's ``precise_engines``).
+_NO_ENGINES: frozenset[EndpointId] = frozenset()
+
+log = logging.getLogger("kvgate.prefix_cache")
+
+
+Hashes = dict[int, list[int]]
+Found = dict[EndpointId, tuple[int, int]]
+
+#: The prompt's own block hashes per block size: for the KV-event index (no tenant scope) and
+#: for the gateway's record (tenant-scoped), computed by the producer for its dispatch hook.
+_EVENT_HASHES: StateKey[Hashes] = StateKey("prefix-cache-event-hashes")
+_RECORD_HASHES: StateKey[Hashes] = StateKey("prefix-cache-record-hashes")
+#: What the KV-event index predicted per engine (device, other), before this dispatch.
+_PREDICTED: StateKey[Found] = StateKey("prefix-cache-predicted")
+#: Leading prompt tokens in the fleet's shared tier (plugins/prefix/shared_tier.py), when any.
+_SHARED: StateKey[int] = StateKey("prefix-cache-shared-tier")
+
+
+@immutable
+class _Check:
+    """A dispatch to one engine whose usage will be compared with the prediction."""
+
+    target: EndpointId
+    predicted: int
+    block_size: int
+    prompt_tokens: int
+    dispatched_at: float
+    inexact: bool
+    #: Of ``predicted``, the tokens known from the engine's own events (the rest: speculative).
+    confirmed: int = 0
+    #: Of ``predicted``, the tokens the index knew without learning them from usage: what the
+    #: health check judges (learnt entries route well but must not hide missing events).
+    unlearned: int | None = None
+    #: The KV-event index's removal sequence at dispatch (evictions after it: in flight).
+    removals: int = 0
+
+
+_CHECK: StateKey[_Check] = StateKey("prefix-cache-check")
+#: Record expiries are rounded up to a whole multiple of this many seconds, so the requests of
+#: one second that repeat or share a chain find its tail already held until that expiry and
+#: only refresh its LRU order (KvIndex's prefix-closed fast path) instead of rewriting every
+#: block's expiry. A record lives at most this much longer than ``record_ttl_s`` (600 s).
+RECORD_EXPIRY_STEP_S = 1.0
+
+
+def record_expiry(now: float, ttl_s: float) -> float:
+    """``now + ttl_s`` rounded up to a multiple of :data:`RECORD_EXPIRY_STEP_S`."""
+    return math.ceil((now + ttl_s) / RECORD_EXPIRY_STEP_S) * RECORD_EXPIRY_STEP_S
+
+
+class PrefixCacheProducer(
+    Plugin, DataProducer, DispatchHook, UsageHook, EndpointSetListener, Lifecycle,
+):
+    """Plugin ``prefix-cache-producer`` (see the module docstring and
+    docs/plugins/prefix-cache.md).
+
+    Speculative TTL (2 s): a speculative entry only has to bridge the time from dispatch until
+    the engine's own ``BlockStored`` arrives, i.e. queueing + prefill of the prompt + event
+    publishing (milliseconds). On a loaded H100 the p99 time to first token of a multi-thousand-
+    token prompt stays around a second, so 2 s covers it while a wrong guess (the request failed,
+    the blocks were evicted at once) steers traffic for at most 2 s.
+    Record TTL (600 s) in approximate mode: a guess how long an engine keeps a prefix without
+    its events; under steady load a block lives about KV capacity / prefill token rate, minutes
+    on a busy GPU. The per-engine capacity bound is the better tool when the capacity is known.
+    """
+
+    type_name: ClassVar[str] = "prefix-cache-producer"
+    produces: ClassVar[frozenset[str]] = frozenset({PREFIX_MATCH.name})
+    consumes: ClassVar[frozenset[str]] = frozenset({TOKEN_IDS.name})
+
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid", frozen=True)
+        mode: Literal["precise", "approximate", "auto"] = "precise"
+        #: precise / auto: name of the ``kv-events`` plugin instance (declared before this one;
+        #: optional in auto mode).
+        events: str = "kv-events"
+        #: precise / auto: lifetime of speculative entries, seconds (0: no speculation).
+        speculative_ttl_s: float = Field(2.0, ge=0)
+        #: precise / auto: lifetime of what an engine's reported ``cached_tokens`` taught the
+        #: index (prefixes it held that no event announced: cached before the gateway started
+        #: or before its subscription caught up), seconds; refreshed by every later report,
+        #: dropped by a lower one. 300: longer than a coding agent's think time between turns,
+        #: short enough that a prefix the engine evicted silently is not chased for long.
+        learned_ttl_s: float = Field(300.0, ge=0)
+        #: approximate / auto: tokens per block of the gateway's own record. 64 keeps hashing a
+        #: 10k-token prompt to ~160 blocks while losing at most 63 tokens of a match.
+        block_size: int = Field(64, ge=1)
+        #: approximate / auto: (engine, block) pairs kept, all engines together (~200 B each).
+        capacity_blocks: int = Field(262_144, ge=1)
+        #: approximate / auto: blocks kept per engine when its metrics do not report its KV
+        #: capacity (``kv_capacity_tokens``); null: only the global bound.
+        engine_capacity_blocks: int | None = Field(None, ge=1)
+        #: approximate / auto: lifetime of a record after the last request that used it, s.
+        record_ttl_s: float = Field(600.0, gt=0)
+        #: approximate / auto: bytes of recent prompts' token ids and record hashes kept so
+        #: that a prompt extending one of them is hashed only past it
+        #: (plugins/prefix/record_chains.py; 32 MiB: ~160 agent prompts of 200 KiB; 0: off).
+        chain_memo_bytes: int = Field(32 * 1024 * 1024, ge=0)
+        #: approximate / auto: a tenant's requests only match that tenant's records.
+        scope_by_tenant: bool = True
+        #: Models served as LoRA adapters (their blocks carry the adapter name as extra key).
+        lora_adapters: frozenset[str] = frozenset()
+        #: KV-cache group matched (0: the full-attention group of ordinary models).
+        group_idx: int = Field(0, ge=0)
+        #: auto: seconds an engine stays ``degraded`` before it is reported ``approximate``.
+        fallback_after_s: float = Field(10.0, ge=0)
+        #: approximate / auto: share the record's insertions with the other replicas through
+        #: this Redis (default: ``shared_state.redis_url``; plugins/prefix/shared_record.py).
+        redis_url: SecretStr | None = None
+
+    example_params: ClassVar[Mapping[str, object]] = {"mode": "approximate", "block_size": 64}
+
+    def __init__(
+        self, name: str, params: BaseModel, plugins: PluginLookup,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(name, params, plugins)
+        assert isinstance(params, PrefixCacheProducer.Params)
+        self.p = params
+        self.clock = clock
+        source = self._events_plugin(plugins) if params.mode != "approximate" else None
+        #: The KV-event index (None without events).
+        self.events: KvIndex | None = None if source is None else source.index
+        #: The gateway's own record (None in precise mode).
+        self.record: KvIndex | None = None if params.mode == "precise" else KvIndex(
+            params.capacity_blocks, params.engine_capacity_blocks, params.block_size,
+            prefix_closed=True)
+        self._owns_health = source is None
+        self._record_sizes = frozenset({params.block_size})
+        #: Recent prompts' record chains: a session's next turn hashes only its new tail.
+        self.chains = ChainMemo(params.chain_memo_bytes)
+        #: The other replicas' record insertions (with ``redis_url``, once started).
+        self.shared: RecordShare | None = None
+        self.states = IndexHealth(policy=params.mode) if source is None else source.health_state
+        self.states.set_policy(params.mode, params.fallback_after_s)
+        if source is None and params.mode == "auto":
+            self.states.no_events_reason = f"no kv-events plugin {params.events!r} is configured"
+            log.warning("prefix-cache-producer %r: mode auto without a kv-events plugin named %r: "
+                        "every engine is routed on the gateway's own record", name, params.events)
+
+    def _events_plugin(self, plugins: PluginLookup) -> KvEventsSubscriber | None:
+        try:
+            source = plugins.lookup(self.p.events)
+        except (ConfigError, KeyError):  # not declared (the pipeline's lookup: ConfigError)
+            if self.p.mode == "auto":
+                return None
+            raise
+        if not isinstance(source, KvEventsSubscriber):
+            raise ConfigError(f"{self.p.events!r} is not a kv-events plugin")
+        return source
+
+    @property
+    def index(self) -> KvIndex:
+        """The index routing reads first: the KV-event index (precise) or the record."""
+        index = self.events if self.p.mode == "precise" else self.record
+        assert index is not None
+        return index
+
+    @property
+    def precise(self) -> bool:
+        return self.p.mode == "precise"
+
+    def on_endpoints_changed(
+        self, added: Sequence[Endpoint], removed: Sequence[Endpoint]
+    ) -> None:
+        """Forget the records of engines that left (the KV-event index: kv-events does)."""
+        for ep in removed:
+            if self.record is not None:
+                self.record.reset_engine(ep.id)
+            if self._owns_health:
+                self.states.forget(ep.id)
+        if self._owns_health:
+            for ep in added:
+                self.states.configure(ep.id, "none")
+
+    # -- observability (only when this producer owns the states: no kv-events plugin) --------
+    def health(self) -> Mapping[str, object]:
+        own = self.states.health() if self._owns_health else {}
+        return {**own, **self.shared.health()} if self.shared is not None else own
+
+    # -- the record shared between replicas (plugins/prefix/shared_record.py)
+    # ------------------------
+    async def start(self) -> None:
+        if self.p.redis_url is None or self.record is None or self.shared is not None:
+            return
+        self.shared = start_record_share(self.p.redis_url.get_secret_value(), self._apply_shared)
+
+    async def stop(self) -> None:
+        shared, self.shared = self.shared, None
+        if shared is not None:
+            await shared.stop()
+
+    def _apply_shared(self, engine: EndpointId, hashes: list[int]) -> None:
+        if self.record is not None:
+            self.record.record(engine, hashes, record_expiry(self.clock(), self.p.record_ttl_s),
+                               block_size=self.p.block_size, group_idx=self.p.group_idx)
+
+    def collector(self) -> Collector:
+        """The states' metrics in mode auto without a kv-events plugin (every engine
+        ``approximate``: a fallback, so it is exported). Mode approximate exports none: its
+        states never change, and a second producer would register the same names."""
+        if self._owns_health and self.p.mode == "auto":
+            return self.states.collector()
+        return _NoMetrics()
+
+    # -- hashing and matching ---------------------------------------------------------------
+    def prompt_hashes(
+        self, req: InferenceRequest, tokens: Sequence[int], sizes: frozenset[int],
+        *, scoped: bool | None = None, by_salt: bool = False,
+    ) -> Hashes:
+        """The prompt's own hashes for each block size in ``sizes``; ``scoped``: the gateway's
+        record (default: not in precise mode), keyed by :mod:`kvgate.plugins.prefix.record_hash`
+        (vectorised, its own values) under a scope of LoRA adapter, cache salt and tenant; else the
+        KV-event index's hash (the engines' block layout,
+        :mod:`kvgate.plugins.prefix.index.hashing`). ``by_salt``: the body's ``cache_salt`` is the
+        gateway's injected isolation scope: the record is keyed by it alone, not by tenant (tenants
+        of a sharing group share records, as engines do)."""
+        if scoped is None:
+            scoped = not self.precise
+        if scoped:
+            scope = self._record_scope(req, by_salt)
+            return {size: self.chains.chain(tokens, size, group_idx=self.p.group_idx,
+                                            scope=scope) for size in sizes}
+        lora = req.model if req.model in self.p.lora_adapters else None
+        salt = req.body.get("cache_salt")
+        salt = salt if isinstance(salt, str) and salt else None
+        out: Hashes = {}
+        for size in sizes:
+            extra = request_extra_keys(len(tokens) // size, lora, salt)
+            out[size] = chain_hashes(tokens, size, group_idx=self.p.group_idx, extra_keys=extra)
+        return out
+
+    def _record_scope(self, req: InferenceRequest, by_salt: bool) -> tuple[str | None, ...]:
+        """The record's scope of ``req``: LoRA adapter, cache salt, tenant (strings or None:
+        :func:`kvgate.plugins.prefix.record_hash.scope_of`'s tuple); see :meth:`prompt_hashes`."""
+        lora = req.model if req.model in self.p.lora_adapters else None
+        salt = req.body.get("cache_salt")
+        salt = salt if isinstance(salt, str) and salt else None
+        tenant = req.tenant if self.p.scope_by_tenant and not by_salt else None
+        return (lora, salt, tenant)
+
+    def _match(self, index: KvIndex, hashes: Hashes, wanted: set[str]) -> Found:
+        holders = index.holders_of(wanted)
+        found: Found = {}
+        for holder, (dev, oth) in index.match(hashes, self.clock(), self.p.group_idx,
+                                               holders).items():
+            ep = engine_of(holder)
+            if (dev, oth) > found.get(ep, (0, 0)):
+                found[ep] = (dev, oth)
+        return found
+
+    def _learn_capacities(self, eps: Sequence[Endpoint]) -> None:
+        """Bound each engine's record by its reported KV capacity (in record blocks)."""
+        if self.record is None:
+            return
+        for ep in eps:
+            tokens = ep.metrics.extra.get(KV_CAPACITY_TOKENS)
+            if tokens is not None and tokens >= self.p.block_size:
+                self.record.set_capacity(ep.id, int(tokens // self.p.block_size))
+
+    async def prepare(
+        self, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]
+    ) -> None:
+        tokens = state.get(TOKEN_IDS)
+        if tokens is None:
+            return
+        if self.events is None:
+            self._prepare_on_record(req, state, eps, tokens)
+            return
+        self._learn_capacities(eps)
+        exact_ids = state.get(TOKEN_IDS_INEXACT) is None
+        wanted = {ep.id for ep in eps}
+        precise: Found = {}
+        approx: Found = {}
+        shared = 0
+        try:
+            if self.events is not None and exact_ids:
+                hashes = self.prompt_hashes(req, tokens, self.events.block_sizes(self.p.group_idx),
+                                            scoped=False)
+                state.put(_EVENT_HASHES, hashes)
+                precise = self._match(self.events, hashes, wanted)
+                shared = sum(self.events.match(hashes, self.clock(), self.p.group_idx,
+                                               [SHARED_HOLDER]).get(SHARED_HOLDER, (0, 0)))
+            if self.record is not None:
+                # keyed by the injected salt when there is one (it is the tenant's or its
+                # sharing group's scope, as on the engines), else by tenant
+                hashes = self.prompt_hashes(req, tokens, self._record_sizes,
+                                            scoped=True, by_salt=CACHE_SALT in state)
+                state.put(_RECORD_HASHES, hashes)
+                approx = self._match(self.record, hashes, wanted)
+        except HashingError:
+            return
+        state.put(_PREDICTED, precise)
+        if shared:
+            state.put(_SHARED, shared)
+        # the fleet's shared tier (KV events with locality REMOTE) is reachable from every engine
+        state.put(PREFIX_MATCH, fold_shared(
+            self._combine(len(tokens), eps, precise, approx, exact_ids), shared, wanted))
+
+    def _prepare_on_record(self, req: InferenceRequest, state: CycleState,
+                           eps: Sequence[Endpoint], tokens: Sequence[int]) -> None:
+        """:meth:`prepare` with no KV-event index (mode approximate, or auto without a
+        kv-events plugin): every engine is routed on the record, none precisely, with no shared
+        tier; the same match, without the events path's work per request."""
+        record, size, group = self.record, self.p.block_size, self.p.group_idx
+        assert record is not None  # only mode precise has none, and it requires events
+        self._learn_capacities(eps)
+        scope = self._record_scope(req, CACHE_SALT in state)
+        try:
+            hashes = {size: self.chains.chain(tokens, size, group_idx=group, scope=scope)}
+        except HashingError:
+            return
+        state.put(_RECORD_HASHES, hashes)
+        # the record's holders are the engines themselves (it records engine ids, no ranks):
+        # matched in the candidates' order, as the general path's
+        found = record.match(hashes, self.clock(), group, [ep.id for ep in eps])
+        device: dict[EndpointId, int] = {}
+        other: dict[EndpointId, int] = {}
+        for engine, held in found.items():
+            device[engine], other[engine] = held
+        state.put(PREFIX_MATCH, PrefixMatch(len(tokens), device, other, False, _NO_ENGINES))
+
+    def _combine(self, n: int, eps: Sequence[Endpoint], precise: Found, approx: Found,
+                 exact_ids: bool) -> PrefixMatch:
+        if self.p.mode == "precise":
+            by_events = {ep.id for ep in eps}
+        elif self.p.mode == "approximate" or not exact_ids:
+            by_events = set()
+        else:
+            by_events = {ep.id for ep in eps if self.states.precise(ep.id)}
+        device: dict[EndpointId, int] = {}
+        other: dict[EndpointId, int] = {}
+        for ep in eps:
+            found = (precise if ep.id in by_events else approx).get(ep.id)
+            if found is not None:
+                device[ep.id], other[ep.id] = found
+        every = bool(eps) and len(by_events) == len(eps)
+        return PrefixMatch(n, device, other, self.precise or every, frozenset(by_events))
+
+    # -- dispatch: speculation, records, the prediction to check ------------------------------
+    async def before_dispatch(
+        self, req: InferenceRequest, state: CycleState, decision: RoutingDecision
+    ) -> None:
+        tokens = state.get(TOKEN_IDS)
+        if tokens is None:
+            return
+        now = self.clock()
+        inexact = state.get(TOKEN_IDS_INEXACT)
+        targets = [decision.target] if decision.prefill is None else [
+            decision.prefill, decision.target
+        ]
+        for ep in targets:
+            self._speculate(req, state, ep, tokens, now)
+            self._record(state, ep, now)
+            if self.events is not None:
+                self.states.token_ids_inexact(ep.id, None if inexact is None else (
+                    f"token ids are not the engine's ({inexact}): KV events can never match"))
+        if self.events is not None and decision.prefill in (None, decision.target):
+            target = decision.target.id
+            dev, oth = (state.get(_PREDICTED) or {}).get(target, (0, 0))
+            size = self.events.block_size(target, self.p.group_idx)
+            hashes = state.get(_EVENT_HASHES)
+            confirmed = unlearned = 0
+            if hashes is not None:
+                confirmed = self.events.confirmed(hashes, target, self.p.group_idx)
+                unlearned = self.events.unlearned(hashes, target, self.p.group_idx)
+            # the engine loads the shared tier's prefix beyond its own, and reports it cached;
+            # the tier is known from (the store's) events, not learnt from usage
+            shared = state.get(_SHARED) or 0
+            predicted = max(dev + oth, shared)
+            confirmed, unlearned = max(confirmed, shared), max(unlearned, shared)
+            state.put(_CHECK, _Check(target, predicted, size, len(tokens), now,
+                                     inexact is not None, min(confirmed, predicted),
+                                     min(unlearned, predicted), self.events.removals.seq))
+
+    def _speculate(self, req: InferenceRequest, state: CycleState, ep: Endpoint,
+                   tokens: Sequence[int], now: float) -> None:
+        """KV-event index: speculative entries, and the prompt for re-keying orphans."""
+        hashes = state.get(_EVENT_HASHES)
+        if self.events is None or hashes is None:
+            return
+        size = self.events.block_size(ep.id, self.p.group_idx)
+        if size not in hashes:  # an engine that has not reported its block size yet
+            hashes.update(self.prompt_hashes(req, tokens, frozenset({size}), scoped=False))
+        if self.p.speculative_ttl_s > 0:
+            self.events.record(ep.id, hashes[size], now + self.p.speculative_ttl_s,
+                               block_size=size, group_idx=self.p.group_idx)
+        self.events.remember(ep.id, tokens, hashes[size], block_size=size,
+                             group_idx=self.p.group_idx)
+
+    def _evicted(self, state: CycleState, check: _Check, reported: int, judged: int) -> bool:
+        """Whether the engine removed, after the dispatch, a block the index predicted beyond
+        what the engine reported (an eviction while the request was in flight)."""
+        hashes = state.get(_EVENT_HASHES)
+        if self.events is None or hashes is None or judged <= reported:
+            return False
+        size = check.block_size
+        blocks = hashes.get(size, ())[reported // size:judged // size]
+        return self.events.removals.removed_after(check.target, blocks, check.removals)
+
+    def _record(self, state: CycleState, ep: Endpoint, now: float) -> None:
+        hashes = state.get(_RECORD_HASHES)
+        if self.record is None or hashes is None:
+            return
+        self.record.record(ep.id, hashes[self.p.block_size],
+                           record_expiry(now, self.p.record_ttl_s),
+                           block_size=self.p.block_size, group_idx=self.p.group_idx)
+        if self.shared is not None:
+            self.shared.publish(ep.id, hashes[self.p.block_size])
+
+    # -- usage: predicted vs reported -----------------------------------------------------------
+    async def on_usage(
+        self, req: InferenceRequest, state: CycleState, target: Endpoint, usage: Usage
+    ) -> None:
+        """Compare the prediction with the engine's ``cached_tokens`` (skipped when it reported
+        none). vLLM always recomputes the last prompt token and only caches whole blocks, so a
+        hit is at most ``floor((prompt_tokens - 1) / block_size) * block_size`` tokens
+        (``KVCacheManager.get_computed_blocks``: ``max_cache_hit_length = num_tokens - 1``); the
+        prediction is capped the same way."""
+        check = state.get(_CHECK)
+        if check is None or check.target != target.id:
+            return
+        size = check.block_size
+        self._extend_speculation(state, target.id, size)
+        cap = max(0, (usage.prompt_tokens - 1) // size * size)
+        predicted = min(check.predicted, cap)
+        reported = usage.cached_tokens
+        known = predicted if reported is None or check.inexact else reported
+        self.states.served(target.id, check.dispatched_at, expects_event=known < cap)
+        if reported is None or check.inexact:
+            return
+        judged = predicted if check.unlearned is None else min(predicted, check.unlearned)
+        self.states.prediction(target.id, judged, reported, size,
+                               tokens_agree=check.prompt_tokens == usage.prompt_tokens,
+                               confirmed=min(check.confirmed, cap),
+                               evicted=self._evicted(state, check, reported, judged))
+        if check.prompt_tokens == usage.prompt_tokens:
+            self._learn(state, target.id, reported, size)
+
+    def _extend_speculation(self, state: CycleState, engine: EndpointId, size: int) -> None:
+        """The prompt's speculative entries live ``speculative_ttl_s`` past the end of the
+        request, not only past its dispatch: a prefill longer than the TTL (a long prompt, a
+        busy engine) would otherwise let them lapse before the engine stores the blocks and its
+        events arrive, and the next turn would be placed as if nothing were cached."""
+        hashes = (state.get(_EVENT_HASHES) or {}).get(size)
+        if self.events is None or not hashes or self.p.speculative_ttl_s <= 0:
+            return
+        self.events.record(engine, hashes, self.clock() + self.p.speculative_ttl_s,
+                           block_size=size, group_idx=self.p.group_idx)
+
+    def _learn(self, state: CycleState, engine: EndpointId, reported: int, size: int) -> None:
+        """What the engine says it held: its first ``reported // size`` blocks become learnt
+        entries (``learned_ttl_s``); learnt entries beyond them are dropped (the engine no
+        longer held those). Entries from its events, and speculation (the blocks this request
+        is storing, until their events arrive), are left as they are."""
+        hashes = (state.get(_EVENT_HASHES) or {}).get(size)
+        if self.events is None or not hashes or self.p.learned_ttl_s <= 0:
+            return
+        held = min(reported // size, len(hashes))
+        now = self.clock()
+        if held:
+            self.events.record(engine, hashes[:held], now + self.p.learned_ttl_s,
+                               block_size=size, group_idx=self.p.group_idx, learned=True)
+            self.events.stats.learned_blocks += held
+        self.events.stats.unlearned_blocks += self.events.forget_records(
+            engine, hashes[held:], now + self.p.speculative_ttl_s)
+
+
+class _NoMetrics(Collector):
+    def collect(self) -> Iterator[Metric]:
+        return iter(())
+
+
+class PrefixCacheScorer(Plugin, Scorer):
+    """Plugin ``prefix-cache-scorer``: the share of the prompt an engine already holds.
+
+    ``score = (device_tokens + other_tier_weight * other_tokens) / prompt_tokens`` in [0, 1];
+    engines without a match (or requests without PREFIX_MATCH) score 0.
+
+    Why ``other_tier_weight`` defaults to 0.5: a block on a slower tier (CPU memory, disk, a
+    remote store) still saves its prefill compute but must be copied to the GPU first. From CPU
+    memory over PCIe that copy costs ~10 % of recomputing it; from disk or over the network
+    30-70 %. One weight covers all non-device tiers, so the middle of that range is taken; a
+    device hit is always worth more than the same hit on another tier.
+    """
+
+    type_name: ClassVar[str] = "prefix-cache-scorer"
+    consumes: ClassVar[frozenset[str]] = frozenset({PREFIX_MATCH.name})
+
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid", frozen=True)
+        #: Value of a token matched on a non-device tier relative to one on the device (0..1).
+        other_tier_weight: float = Field(0.5, ge=0, le=1)
+
+    example_params: ClassVar[Mapping[str, object]] = {"other_tier_weight": 0.5}
+
+    def __init__(self, name: str, params: BaseModel, plugins: PluginLookup) -> None:
+        super().__init__(name, params, plugins)
+        assert isinstance(params, PrefixCacheScorer.Params)
+        self.other_tier_weight = params.other_tier_weight
+
+    def score(
+        self, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]
+    ) -> Mapping[EndpointId, float]:
+        match = state.get(PREFIX_MATCH)
+        if match is None or match.prompt_tokens <= 0:
+            return {}
+        total = float(match.prompt_tokens)
+        weight = self.other_tier_weight
+        return {
+            ep.id: min(
+                1.0,
+                (match.device.get(ep.id, 0) + weight * match.other.get(ep.id, 0)) / total,
+            )
+            for ep in eps
+        }
