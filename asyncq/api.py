@@ -2,7 +2,7 @@
 (Batch API, queued requests) uses, and listeners told of every state change.
 
 Plain data and Protocols only: no I/O, no global state. A *job* is one API request run later
-through the gateway's own request path (middleware/serving/loopback.py); its ``id`` is also the
+through the gateway's own request path (middleware/framework/loopback.py); its ``id`` is also the
 ledger ``request_id`` of that run, so a job executed twice (at-least-once after a crash) is billed
 once.
 """

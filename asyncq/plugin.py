@@ -51,6 +51,7 @@ from kvgate.middleware.framework.plugin import (
     HealthSource,
     HttpResponse,
     Lifecycle,
+    LoopbackCaller,
     MetricsSource,
     NeedsLoopback,
     Plugin,
@@ -59,7 +60,6 @@ from kvgate.middleware.framework.plugin import (
     StateResolver,
 )
 from kvgate.middleware.framework.types import InferenceRequest, Principal
-from kvgate.middleware.serving.loopback import Loopback
 
 log = logging.getLogger("kvgate.asyncq")
 #: Paths of the management app (asyncq/batch/mgmt.py).
@@ -138,7 +138,7 @@ class AsyncQueue(Plugin, Lifecycle, AsgiMount, RequestDeferral, StateResolver, N
             f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
         self.metrics = QueueMetrics()
         self.service = Queue(self.store, self.metrics)
-        self.loopback: Loopback | None = None
+        self.loopback: LoopbackCaller | None = None
         self.runner: Runner | None = None
         self.app: AsgiApp | None = None
         self._plane: Any = None
@@ -158,7 +158,7 @@ class AsyncQueue(Plugin, Lifecycle, AsgiMount, RequestDeferral, StateResolver, N
         self._plane = plane_of(app)
 
     # -- core hooks ----------------------------------------------------------------------
-    def bind_loopback(self, loopback: Loopback) -> None:
+    def bind_loopback(self, loopback: LoopbackCaller) -> None:
         self.loopback = loopback
         self.service.loopback = loopback
 
@@ -251,7 +251,7 @@ class Queue:
         self.store = store
         self.metrics = metrics
         self.listeners: list[JobListener] = []
-        self.loopback: Loopback | None = None
+        self.loopback: LoopbackCaller | None = None
         self.runner: Runner | None = None
 
     async def submit(self, specs: Sequence[JobSpec]) -> int:

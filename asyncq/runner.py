@@ -1,5 +1,5 @@
 """The runner: pulls queued jobs while the fleet has headroom and runs them through the
-gateway's own request path (middleware/serving/loopback.py).
+gateway's own request path (middleware/framework/loopback.py).
 
 Loop (one per replica; ``poll_interval_s`` between rounds when idle):
 
@@ -44,7 +44,8 @@ from kvgate.asyncq.metrics import QueueMetrics
 from kvgate.asyncq.ordering import order_window
 from kvgate.asyncq.tasks import cancel
 from kvgate.middleware.framework.errors import HTTPError
-from kvgate.middleware.serving.loopback import Loopback, LoopbackResponse
+from kvgate.middleware.framework.plugin import LoopbackCaller
+from kvgate.middleware.framework.types import LoopbackResponse
 
 log = logging.getLogger("kvgate.asyncq.runner")
 
@@ -89,7 +90,7 @@ def run_body(body: bytes) -> bytes:
 class Runner:
     """See the module docstring. ``clock``: unix seconds (tests may pass their own)."""
 
-    def __init__(self, store: JobStore, loopback: Loopback, settings: RunnerSettings,
+    def __init__(self, store: JobStore, loopback: LoopbackCaller, settings: RunnerSettings,
                  metrics: QueueMetrics, listeners: Sequence[JobListener] = (),
                  clock: Callable[[], float] = time.time) -> None:
         self.store = store

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvgate.middleware.tasks import cancel_and_wait
+from kvgate.middleware.framework.tasks import cancel_and_wait
 
 
 async def cancel(task: asyncio.Task[None] | None) -> None:

@@ -43,7 +43,7 @@ import yaml
 
 from bench import procs
 from bench.harness import machine_info
-from kvgate.middleware.quickstart import QuickStart, quick_start_config
+from kvgate.middleware.framework.composition.quickstart import QuickStart, quick_start_config
 
 MODEL = "sim-model"
 RESULTS = Path("bench/results/async_queue.json")

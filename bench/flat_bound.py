@@ -37,7 +37,7 @@ import uvicorn
 
 from bench.loadgen import make_body
 from kvgate.apis.openai import check_common
-from kvgate.middleware.cli import tune_gc
+from kvgate.middleware.process import tune_gc
 from kvgate.middleware.transport.h1client import H1Client
 from kvgate.plugins.prefix import record_hash
 from kvgate.plugins.prefix.approx_tokens import render_chat, tokenize

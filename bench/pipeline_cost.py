@@ -140,7 +140,7 @@ def table(summary: dict[str, Any]) -> str:
 
 async def _run(upstreams: Sequence[str], args: argparse.Namespace) -> dict[str, Any]:
     from kvgate.middleware.app import create_app
-    from kvgate.middleware.framework.config import parse_config
+    from kvgate.middleware.framework.composition.config import parse_config
 
     data = preset_data(upstreams)
     app = create_app(parse_config(data, "<pipeline-cost>"))

@@ -168,7 +168,11 @@ def table(summary: Mapping[str, Mapping[str, float]], skipped: Mapping[str, str]
 # -- config ------------------------------------------------------------------------------------
 def preset_data(upstreams: Sequence[str]) -> dict[str, Any]:
     """The config data ``kvgate serve --engine URL ...`` builds (the default preset)."""
-    from kvgate.middleware.quickstart import DEFAULT_PRESET, QuickStart, presets
+    from kvgate.middleware.framework.composition.quickstart import (
+        DEFAULT_PRESET,
+        QuickStart,
+        presets,
+    )
 
     qs = QuickStart(engines=tuple(upstreams))
     return {"engines": qs.engine_list(), **presets()[DEFAULT_PRESET](qs)}
@@ -176,8 +180,8 @@ def preset_data(upstreams: Sequence[str]) -> dict[str, Any]:
 
 def profile_keep(data: Mapping[str, Any]) -> set[str]:
     """The default profile's filters and picker (by their plugins' classes)."""
+    from kvgate.middleware.framework.composition.registry import Registry
     from kvgate.middleware.framework.plugin import Filter, Picker
-    from kvgate.middleware.framework.registry import Registry
 
     registry = Registry.from_entry_points()
     types = {plugin_name(entry): entry["type"] for entry in data["plugins"]}
@@ -192,10 +196,10 @@ def profile_keep(data: Mapping[str, Any]) -> set[str]:
 
 def refusal(data: Mapping[str, Any]) -> str | None:
     """Why the config validation refuses ``data`` (None: it accepts it)."""
-    from kvgate.middleware.framework.config import parse_config
+    from kvgate.middleware.framework.composition.config import parse_config
+    from kvgate.middleware.framework.composition.pipeline import build_pipeline
+    from kvgate.middleware.framework.composition.registry import Registry
     from kvgate.middleware.framework.errors import ConfigError
-    from kvgate.middleware.framework.pipeline import build_pipeline
-    from kvgate.middleware.framework.registry import Registry
 
     try:
         build_pipeline(parse_config(dict(data), "<plugin-cost>"), Registry.from_entry_points())
@@ -257,8 +261,8 @@ async def _measure(data: dict[str, Any], body: bytes, requests: int, warmup: int
     hooks' µs per request over them from the hook-time histogram (whole only when every hook
     call is timed, as ``--hooks`` runs it; otherwise the sampled calls' share)."""
     from kvgate.middleware.app import create_app
-    from kvgate.middleware.cli import tune_gc
-    from kvgate.middleware.framework.config import parse_config
+    from kvgate.middleware.framework.composition.config import parse_config
+    from kvgate.middleware.process import tune_gc
 
     app = create_app(parse_config(data, "<plugin-cost>"))
     tune_gc()  # as ``kvgate serve`` does once its app is built
@@ -282,8 +286,8 @@ def run_worker(args: argparse.Namespace) -> int:
     """``--worker``: measure the variant whose config data is in ``args.worker`` (a file)."""
     import uvloop
 
-    from kvgate.middleware.cli import configure_logging
-    from kvgate.middleware.framework.config import AccessLogConfig
+    from kvgate.middleware.framework.composition.config import AccessLogConfig
+    from kvgate.middleware.process import configure_logging
 
     data = json.loads(Path(args.worker).read_text())
     with tempfile.TemporaryDirectory(prefix="kvgate-plugin-cost-") as tmp:

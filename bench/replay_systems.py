@@ -186,7 +186,7 @@ def tuned_quick_start(
 ) -> dict[str, Any]:
     """The config ``kvgate serve --engine URL ... [--kv-events-bind E]`` builds, with
     ``placement`` merged into the ``kv-placement-scorer``'s params (tuning runs)."""
-    from kvgate.middleware.quickstart import QuickStart, quick_start_config
+    from kvgate.middleware.framework.composition.quickstart import QuickStart, quick_start_config
 
     qs = QuickStart(engines=tuple(urls), kv_events_bind=events,
                     server={"host": "127.0.0.1", "port": port})

@@ -21,7 +21,9 @@ import aiohttp
 
 from kvgate.middleware.fleet.breaker import BreakerCollector
 from kvgate.middleware.fleet.pool import EndpointPool
-from kvgate.middleware.framework.config import GatewayConfig
+from kvgate.middleware.framework.composition.config import GatewayConfig
+from kvgate.middleware.framework.composition.pipeline import build_pipeline
+from kvgate.middleware.framework.composition.registry import Registry
 from kvgate.middleware.framework.errors import (
     ConfigError,
     HTTPError,
@@ -30,7 +32,7 @@ from kvgate.middleware.framework.errors import (
     internal_error,
     model_not_found,
 )
-from kvgate.middleware.framework.pipeline import build_pipeline
+from kvgate.middleware.framework.loopback import Loopback
 from kvgate.middleware.framework.plugin import (
     AsgiApp,
     HealthSource,
@@ -39,12 +41,11 @@ from kvgate.middleware.framework.plugin import (
     allowed_models,
     authenticate,
 )
-from kvgate.middleware.framework.registry import Registry
+from kvgate.middleware.framework.redact import public_view
+from kvgate.middleware.framework.types import Receive, Scope, Send
 from kvgate.middleware.observe.metrics import GatewayMetrics
-from kvgate.middleware.observe.redact import public_view
 from kvgate.middleware.observe.tracing import Tracing
 from kvgate.middleware.serving.gateway import ApiRoutes, Gateway
-from kvgate.middleware.serving.loopback import Loopback
 from kvgate.middleware.serving.routing_state import RoutingStateFile
 from kvgate.middleware.serving.states import StateMapCollector, state_map
 from kvgate.middleware.transport.admin_port import (
@@ -56,9 +57,6 @@ from kvgate.middleware.transport.admin_port import (
 )
 from kvgate.middleware.transport.asgi import (
     ClientGone,
-    Receive,
-    Scope,
-    Send,
     header_map,
     read_body,
     send_bytes,
@@ -295,7 +293,7 @@ class KvgateApp:
         """``/health`` on the API port: the full report for an admin key. Otherwise, with API
         keys on, only ``{"status"}`` (no engines, tenants, index states or plugin sections:
         docs/security.md); with auth off, the report without engine URLs, socket addresses or
-        host names (middleware/observe/redact.py)."""
+        host names (middleware/framework/redact.py)."""
         status, body = self.health_report()
         auth = self.pipeline.authenticator
         if is_admin(auth, headers):

@@ -13,9 +13,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvgate.middleware.fleet.tokenizer_discovery import discover_tokenizer
-from kvgate.middleware.framework.config import (
+from kvgate.middleware.framework.composition.config import (
     PD_CONNECTORS,
-    AccessLogConfig,
     GatewayConfig,
     ServerConfig,
     TracingConfig,
@@ -24,43 +23,12 @@ from kvgate.middleware.framework.config import (
     with_quotas,
     with_shared_state,
 )
+from kvgate.middleware.framework.composition.quickstart import QuickStart, quick_start_config
+from kvgate.middleware.framework.composition.registry import command_registrars
 from kvgate.middleware.framework.errors import ConfigError
-from kvgate.middleware.framework.registry import command_registrars
-from kvgate.middleware.quickstart import QuickStart, quick_start_config
+from kvgate.middleware.process import CONFIG_ENV, WORKERS_ENV, configure_logging, tune_gc
 
 log = logging.getLogger("kvgate.cli")
-
-
-def configure_logging(level: str, access_log: AccessLogConfig | None = None) -> None:
-    """The gateway's log on stderr; with ``access_log``, the access log's own handler
-    (middleware/observe/access_log.py: JSON lines on stderr or in its file)."""
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    if access_log is not None:
-        from kvgate.middleware.observe.access_log import install_handler
-
-        install_handler(access_log)
-
-
-#: Allocations between young-generation collections in a serving process (CPython's default
-#: is 700). A request allocates a few thousand short-lived objects; at 700 most collections
-#: find them still alive and promote them, and older generations fill and get scanned in turn.
-GC_YOUNG_THRESHOLD = 20_000
-
-
-def tune_gc() -> None:
-    """For a serving process, once its app is built: what exists now (modules, classes, the
-    config, the plugins) is moved out of the collector's sight (``gc.freeze``: it lives as
-    long as the process anyway), so a full collection scans only what requests created; and
-    young collections run less often (:data:`GC_YOUNG_THRESHOLD`). Reference counting still
-    frees almost everything at once; this only changes how often cycles are looked for."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
-    _, older, oldest = gc.get_threshold()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
 
 
 #: ``kvgate serve --http``: the HTTP/1.1 protocol uvicorn's server runs per connection.
@@ -81,7 +49,7 @@ def serve_config(config: GatewayConfig, workers: int = 1, http: str = "kvgate") 
     import uvicorn
 
     from kvgate.middleware.app import create_app
-    from kvgate.middleware.workers import CONFIG_ENV, WORKERS_ENV, check_workers, serialize
+    from kvgate.middleware.workers import check_workers, serialize
 
     configure_logging(config.server.log_level, config.server.access_log)
     check_workers(config, workers)

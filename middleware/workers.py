@@ -29,14 +29,13 @@ import logging
 import os
 from pathlib import Path
 
-from kvgate.middleware.framework.config import GatewayConfig, parse_config
+from kvgate.middleware.framework.composition.config import GatewayConfig, parse_config
+from kvgate.middleware.framework.composition.registry import Registry
 from kvgate.middleware.framework.errors import ConfigError
-from kvgate.middleware.framework.registry import Registry
+from kvgate.middleware.process import CONFIG_ENV, WORKERS_ENV, configure_logging, tune_gc
 
 log = logging.getLogger("kvgate.workers")
 
-CONFIG_ENV = "KVGATE_WORKER_CONFIG"
-WORKERS_ENV = "KVGATE_WORKERS"
 
 
 def check_workers(config: GatewayConfig, workers: int) -> None:
@@ -114,7 +113,6 @@ def per_worker(config: GatewayConfig, slot: int, registry: Registry) -> GatewayC
 def worker_app() -> object:
     """uvicorn factory of one worker: the gateway app of the handed-over config."""
     from kvgate.middleware.app import create_app
-    from kvgate.middleware.cli import configure_logging, tune_gc
 
     config = worker_config()
     configure_logging(config.server.log_level, config.server.access_log)

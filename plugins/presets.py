@@ -35,7 +35,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvgate.middleware.quickstart import QuickStart
+from kvgate.middleware.framework.composition.quickstart import QuickStart
 
 #: ``pd-profile-handler``'s threshold: prefill hop when this many prompt tokens are not on the
 #: chosen decode engine (docs/plugins/pd.md has why 256).

@@ -18,7 +18,7 @@ import time
 from decimal import Decimal
 from pathlib import Path
 
-from kvgate.pricing.backends.base import open_backend
+from kvgate.pricing.backends.select import open_backend
 from kvgate.pricing.ledger import Ledger
 from kvgate.pricing.records import LedgerRecord
 

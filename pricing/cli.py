@@ -20,7 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-from kvgate.pricing.backends.base import LedgerUnavailable, open_backend
+from kvgate.pricing.backends.base import LedgerUnavailable
+from kvgate.pricing.backends.select import open_backend
 from kvgate.pricing.prices import PriceError, litellm_json, load_book
 from kvgate.pricing.records import COLUMNS, LedgerRecord
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvgate.middleware import cli
-from kvgate.middleware.framework.config import GatewayConfig
+from kvgate.middleware.framework.composition.config import GatewayConfig
 
 
 def served_config(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> GatewayConfig:

@@ -32,9 +32,10 @@ from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvgate.asyncq.api import QueueService
-from kvgate.asyncq.batch.batches import BatchCreate, BatchList, BatchManager, BatchObject
+from kvgate.asyncq.batch.batches import BatchManager
 from kvgate.asyncq.batch.files import FileDeleted, FileList, FileObject, FileStore
 from kvgate.asyncq.batch.mgmt_db import Db
+from kvgate.asyncq.batch.objects import BatchCreate, BatchList, BatchObject
 from kvgate.asyncq.queued import queued_router
 from kvgate.asyncq.webhooks import Webhooks, WebhookSettings
 from kvgate.middleware.framework.types import Principal

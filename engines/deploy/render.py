@@ -26,7 +26,6 @@ Rendering is pure (:func:`render`); only the command writes files.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 from pathlib import Path
@@ -36,8 +35,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvgate.engines.deploy.k8s_spec import KubernetesSpec
+from kvgate.middleware.framework.composition.quickstart import QuickStart, quick_start_config
 from kvgate.middleware.framework.errors import ConfigError
-from kvgate.middleware.quickstart import QuickStart, quick_start_config
 
 Protocol = Literal["nixl", "mooncake", "lmcache-mooncake", "sglang"]
 _STRICT = ConfigDict(extra="forbid", frozen=True)
@@ -389,38 +388,3 @@ def load_fleet(path: str | Path) -> FleetSpec:
         problems = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}"
                              for e in exc.errors())
         raise ConfigError(f"{p}: {problems}") from None
-
-
-def _cmd_render(args: argparse.Namespace) -> int:
-    fleet = load_fleet(args.fleet)
-    if args.target == "scripts":
-        files = render(fleet)
-    else:
-        from kvgate.engines.deploy import (
-            k8s as deploy_k8s,  # the k8s target only: it imports this module
-        )
-
-        files = (deploy_k8s.render_k8s(fleet) if args.target == "k8s"
-                 else deploy_k8s.render_chart(fleet))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, text in sorted(files.items()):
-        target = out / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(text, encoding="utf-8")
-        if name.endswith(".sh"):
-            target.chmod(0o755)
-        print(target)
-    return 0
-
-
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("deploy", help="prefill/decode fleet deployment helpers")
-    dsub = p.add_subparsers(dest="deploy_command", required=True)
-    r = dsub.add_parser("render", help="write engine launch scripts and configs from a fleet YAML")
-    r.add_argument("fleet", help="fleet YAML (docs/disaggregation.md)")
-    r.add_argument("--out", default="deploy-out", help="output directory (default deploy-out)")
-    r.add_argument("--target", choices=("scripts", "k8s", "helm"), default="scripts",
-                   help="scripts: launch scripts + kvgate.yaml (default); k8s: Kubernetes "
-                   "manifests; helm: a Helm chart (docs/kubernetes.md)")
-    r.set_defaults(func=_cmd_render)

@@ -113,7 +113,7 @@ def serve(config: SimConfig, host: str, port: int, log_level: str = "warning") -
     """Serve one engine with uvicorn (uvloop, httptools, no access log) until interrupted."""
     import uvicorn
 
-    from kvgate.engines.sim.http.app import create_sim_app
+    from kvgate.engines.sim.http.server import create_sim_app
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")

@@ -17,9 +17,9 @@ from kvgate.engines.ports import free_port
 from kvgate.engines.sim.core.config import KvEventsConfig, SimConfig
 from kvgate.engines.sim.testing import serve_sim
 from kvgate.middleware.app import create_app
-from kvgate.middleware.cli import configure_logging
-from kvgate.middleware.framework.config import GatewayConfig
-from kvgate.middleware.quickstart import QuickStart, quick_start_config
+from kvgate.middleware.framework.composition.config import GatewayConfig
+from kvgate.middleware.framework.composition.quickstart import QuickStart, quick_start_config
+from kvgate.middleware.process import configure_logging
 
 log = logging.getLogger("kvgate.demo")
 

@@ -22,7 +22,8 @@ from starlette.applications import Starlette
 from kvgate.engines.sim.core.config import SimConfig
 from kvgate.engines.sim.core.engine import SimEngine
 from kvgate.engines.sim.core.faults import FaultState
-from kvgate.engines.sim.http.app import create_sim_app, sim_handles
+from kvgate.engines.sim.http.app import sim_handles
+from kvgate.engines.sim.http.server import create_sim_app
 
 #: How long startup may take before :func:`serve_sim` gives up, in seconds.
 STARTUP_TIMEOUT_S = 10.0

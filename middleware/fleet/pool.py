@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from kvgate.middleware.fleet.breaker import STATE_VALUE, Breaker, BreakerState
-from kvgate.middleware.framework.config import EngineConfig, PoolConfig
+from kvgate.middleware.framework.composition.config import EngineConfig, PoolConfig
 from kvgate.middleware.framework.engine import EngineAdapter
 from kvgate.middleware.framework.errors import ConfigError
 from kvgate.middleware.framework.plugin import EndpointSetListener
+from kvgate.middleware.framework.tasks import cancel_and_wait
 from kvgate.middleware.framework.types import Endpoint, EndpointId, EngineMetrics
-from kvgate.middleware.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from kvgate.middleware.serving.context import RequestContext

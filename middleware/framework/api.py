@@ -33,7 +33,7 @@ What the core does with an adapter (middleware/serving/gateway.py, middleware/se
    :meth:`ApiAdapter.stream_error`. Engine 4xx answers (:class:`UpstreamHTTPError`) too:
    never the engine's bytes (its shape need not be the API's: vLLM answers ``/v1/messages``
    validation errors in OpenAI's shape; its body may quote paths or a traceback), but its
-   status and its message, cleaned and capped (``err.message``, middleware/observe/redact.py).
+   status and its message, cleaned and capped (``err.message``, middleware/framework/redact.py).
 
 **By-id routes.** A route whose path has an ``{id}`` segment (``GET /v1/responses/{id}``,
 ``POST /v1/responses/{id}/cancel``) is served without a body model: after authentication the

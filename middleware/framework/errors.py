@@ -7,7 +7,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from kvgate.middleware.observe.redact import client_message
+from kvgate.middleware.framework.redact import client_message
 
 
 class KvgateError(Exception):
@@ -157,9 +157,9 @@ class UpstreamHTTPError(HTTPError):
     The client gets the engine's status and message in its API's own error shape (each
     adapter's ``error_body``): ``message`` is the engine's, read from its body (OpenAI's or
     Anthropic's error shape, a bare ``message`` or ``detail``, or plain text) and cleaned of
-    tracebacks, addresses and file paths, capped (middleware/observe/redact.py ``client_message``);
-    the engine's string ``param`` and ``code`` are kept, its own ``type`` is not (vLLM's
-    ``BadRequestError`` is no OpenAI type): ``type`` follows the status."""
+    tracebacks, addresses and file paths, capped (middleware/framework/redact.py
+    ``client_message``); the engine's string ``param`` and ``code`` are kept, its own ``type`` is
+    not (vLLM's ``BadRequestError`` is no OpenAI type): ``type`` follows the status."""
 
     def __init__(self, status: int, body: bytes) -> None:
         message, param, code = _engine_error(body)

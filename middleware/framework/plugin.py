@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict
@@ -19,17 +19,17 @@ from kvgate.middleware.framework.types import (
     Endpoint,
     EndpointId,
     InferenceRequest,
+    LoopbackResponse,
     Outcome,
     Principal,
     ProfileResult,
+    Receive,
     RoutingDecision,
+    Scope,
     ScoredEndpoint,
+    Send,
     Usage,
 )
-
-if TYPE_CHECKING:
-    from kvgate.middleware.serving.loopback import Loopback
-    from kvgate.middleware.transport.asgi import Receive, Scope, Send
 
 
 class NoParams(BaseModel):
@@ -347,13 +347,39 @@ class AsgiMount(Protocol):
     def mounts(self) -> Sequence[tuple[str, AsgiApp]]: ...
 
 
+class LoopbackCaller(Protocol):
+    """The gateway's in-process caller as a plugin sees it (middleware/framework/loopback.py)."""
+
+    def endpoints(self) -> Sequence[Endpoint]:
+        """The engine pool's current snapshot."""
+        ...
+
+    def authenticate(self, headers: Mapping[str, str]) -> Principal | None:
+        """The gateway's authenticator on lower-cased headers (None: no authenticator)."""
+        ...
+
+    @property
+    def has_auth(self) -> bool: ...
+
+    def principal_for(self, key_id: str | None) -> Principal | None:
+        """The principal of a key id as the authenticator knows it now, if it can say."""
+        ...
+
+    async def call(
+        self, method: str, path: str, body: bytes, *, principal: Principal | None = None,
+        request_id: str | None = None, tier: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> LoopbackResponse:
+        """Run one API request through the gateway's whole request path."""
+        ...
+
+
 @runtime_checkable
 class NeedsLoopback(Protocol):
     """Plugins that run API requests through the gateway's own request path later (deferred
-    jobs): the app hands them its :class:`kvgate.middleware.serving.loopback.Loopback` before
-    startup."""
+    jobs): the app hands them its :class:`LoopbackCaller` before startup."""
 
-    def bind_loopback(self, loopback: Loopback) -> None: ...
+    def bind_loopback(self, loopback: LoopbackCaller) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,11 +6,18 @@ Everything here is plain data: no I/O, no global state.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, cast
 
 from kvgate.middleware.framework.immutable import immutable
+
+#: Raw ASGI, which the gateway speaks directly (middleware/transport/asgi.py).
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+Headers = list[tuple[bytes, bytes]]
 
 EndpointId = str
 T = TypeVar("T")
@@ -136,7 +143,7 @@ class InferenceRequest:
     #: False for requests that are not billed (tokenize, detokenize): no ledger record.
     billed: bool = True
     #: The pricing tier of a deferred run (``batch``, ``queued``, ``background``: the job's
-    #: kind, set through middleware/serving/loopback.py); None for live traffic.
+    #: kind, set through middleware/framework/loopback.py); None for live traffic.
     service_tier: str | None = None
 
     @property
@@ -223,6 +230,20 @@ def add_response_header(state: CycleState, name: str, value: str) -> None:
     headers[name.lower()] = value
 
 
+#: Fields plugins add to the request's access-log line (short strings or numbers; never a
+#: secret). A core field of the same name wins (middleware/observe/access_log.py).
+LOG_FIELDS: StateKey[dict[str, object]] = StateKey("access-log-fields")
+
+
+def add_log_field(state: CycleState, name: str, value: object) -> None:
+    """Put ``name: value`` on this request's access-log line (JSON-serializable values)."""
+    fields = state.get(LOG_FIELDS)
+    if fields is None:
+        fields = {}
+        state.put(LOG_FIELDS, fields)
+    fields[name] = value
+
+
 @immutable
 class ScoredEndpoint:
     endpoint: Endpoint
@@ -288,3 +309,17 @@ class Outcome:
     will_retry: bool = False
     #: SSE data events relayed to the client (streams), a lower bound on tokens generated.
     chunks_relayed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LoopbackResponse:
+    """The answer of one in-process call through the gateway (middleware/framework/loopback.py)."""
+
+    status: int
+    #: Lower-cased response header names.
+    headers: Mapping[str, str]
+    body: bytes
+
+    @property
+    def content_type(self) -> str:
+        return self.headers.get("content-type", "application/json")

@@ -31,29 +31,17 @@ from typing import Any
 
 import orjson
 
-from kvgate.middleware.framework.config import AccessLogConfig
-from kvgate.middleware.framework.types import CycleState, StateKey
+from kvgate.middleware.framework.composition.config import AccessLogConfig
+from kvgate.middleware.framework.types import LOG_FIELDS
 from kvgate.middleware.serving.context import RequestContext
 
 LOGGER = "kvgate.access"
-#: Fields plugins add to the request's access-log line (short strings or numbers; never a
-#: secret). A core field of the same name wins.
-LOG_FIELDS: StateKey[dict[str, object]] = StateKey("access-log-fields")
 #: Longest model name copied (a client's string: bounded, so one line stays one line's size).
 _MAX_MODEL = 200
 _HANDLER_MARK = "_kvgate_access"
 #: Lines held for one event-loop iteration at most before :meth:`AccessLog.flush` (a bound:
 #: an iteration that ends more requests writes them in several batches).
 MAX_PENDING = 256
-
-
-def add_log_field(state: CycleState, name: str, value: object) -> None:
-    """Put ``name: value`` on this request's access-log line (JSON-serializable values)."""
-    fields = state.get(LOG_FIELDS)
-    if fields is None:
-        fields = {}
-        state.put(LOG_FIELDS, fields)
-    fields[name] = value
 
 
 def _us(seconds: float) -> float:
@@ -190,4 +178,4 @@ def install_handler(config: AccessLogConfig) -> None:
     logger.propagate = False
 
 
-__all__ = ["LOGGER", "LOG_FIELDS", "AccessLog", "add_log_field", "install_handler"]
+__all__ = ["LOGGER", "AccessLog", "install_handler"]

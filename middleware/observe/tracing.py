@@ -38,7 +38,7 @@ import os
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
-from kvgate.middleware.framework.config import TracingConfig
+from kvgate.middleware.framework.composition.config import TracingConfig
 from kvgate.middleware.framework.errors import ConfigError
 from kvgate.middleware.framework.scheduler import ROUTE_SCORES
 from kvgate.middleware.framework.types import CycleState, RoutingDecision

@@ -15,16 +15,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvgate.middleware.framework.api import ApiAdapter, ParsedRequest, UsageTap
+from kvgate.middleware.framework.loopback import LoopbackContext
 from kvgate.middleware.framework.types import (
     RESPONSE_HEADERS,
     CycleState,
     Endpoint,
+    Headers,
     InferenceRequest,
     Principal,
+    Receive,
+    Send,
     Usage,
 )
-from kvgate.middleware.serving.loopback import LoopbackContext
-from kvgate.middleware.transport.asgi import DisconnectSource, Headers, Receive, Send
+from kvgate.middleware.transport.asgi import DisconnectSource
 
 
 class TrackedSend:

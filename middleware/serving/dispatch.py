@@ -19,7 +19,8 @@ import aiohttp
 import orjson
 
 from kvgate.middleware.fleet.pool import EndpointPool
-from kvgate.middleware.framework.config import GatewayConfig
+from kvgate.middleware.framework.composition.config import GatewayConfig
+from kvgate.middleware.framework.composition.pipeline import Pipeline
 from kvgate.middleware.framework.errors import (
     HTTPError,
     NoEndpointAvailable,
@@ -27,12 +28,12 @@ from kvgate.middleware.framework.errors import (
     UpstreamHTTPError,
     model_not_found,
 )
-from kvgate.middleware.framework.pipeline import Pipeline
 from kvgate.middleware.framework.types import (
     Endpoint,
     InferenceRequest,
     Outcome,
     OutcomeKind,
+    Receive,
     RoutingDecision,
     Usage,
 )
@@ -55,7 +56,6 @@ from kvgate.middleware.transport.asgi import (
     SSE_HEADERS,
     ClientGone,
     DisconnectSource,
-    Receive,
     ReceiveWatch,
     send_bytes,
 )

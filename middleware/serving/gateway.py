@@ -14,7 +14,8 @@ import aiohttp
 
 from kvgate.middleware.fleet.pool import EndpointPool
 from kvgate.middleware.framework.api import ApiAdapter, is_by_id, match_route
-from kvgate.middleware.framework.config import GatewayConfig
+from kvgate.middleware.framework.composition.config import GatewayConfig
+from kvgate.middleware.framework.composition.pipeline import Pipeline
 from kvgate.middleware.framework.errors import (
     ConfigError,
     HTTPError,
@@ -23,16 +24,22 @@ from kvgate.middleware.framework.errors import (
     UpstreamError,
     internal_error,
 )
-from kvgate.middleware.framework.pipeline import Pipeline
+from kvgate.middleware.framework.loopback import loopback_context
 from kvgate.middleware.framework.plugin import authenticate
-from kvgate.middleware.framework.types import Endpoint, InferenceRequest, Principal
+from kvgate.middleware.framework.types import (
+    Endpoint,
+    InferenceRequest,
+    Principal,
+    Receive,
+    Scope,
+    Send,
+)
 from kvgate.middleware.observe.access_log import AccessLog
 from kvgate.middleware.observe.metrics import GatewayMetrics
 from kvgate.middleware.observe.tracing import Tracing
 from kvgate.middleware.serving.context import RequestContext, TrackedSend
 from kvgate.middleware.serving.disagg import TwoHop
 from kvgate.middleware.serving.dispatch import Dispatcher, race
-from kvgate.middleware.serving.loopback import loopback_context
 from kvgate.middleware.serving.plan import MODEL_PLAN, PlanRunner
 from kvgate.middleware.serving.requests import (
     RequestIds,
@@ -44,9 +51,6 @@ from kvgate.middleware.serving.states import StateMap
 from kvgate.middleware.serving.upstream import Response, open_request
 from kvgate.middleware.transport.asgi import (
     ClientGone,
-    Receive,
-    Scope,
-    Send,
     disconnect_source,
     header_map,
     read_body,
@@ -133,7 +137,7 @@ class Gateway:
     async def handle(self, scope: Scope, receive: Receive, send: Send,
                      adapter: ApiAdapter, state_id: str | None = None) -> None:
         """One request to ``adapter``'s route (``state_id``: a by-id route's id). A loopback
-        call (middleware/serving/loopback.py) brings its principal, request id and tier."""
+        call (middleware/framework/loopback.py) brings its principal, request id and tier."""
         loop = loopback_context(scope)
         self.metrics.hooks.tick()
         ctx = RequestContext(

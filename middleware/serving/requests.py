@@ -16,9 +16,9 @@ from typing import Any
 import orjson
 
 from kvgate.middleware.framework.api import ApiAdapter, ParsedRequest
+from kvgate.middleware.framework.composition.registry import load_apis
 from kvgate.middleware.framework.errors import BadRequest
 from kvgate.middleware.framework.plugin import CREDENTIAL_HEADERS
-from kvgate.middleware.framework.registry import load_apis
 from kvgate.middleware.framework.types import InferenceRequest
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")

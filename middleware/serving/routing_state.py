@@ -43,7 +43,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvgate.middleware.framework.plugin import Persistent
-from kvgate.middleware.tasks import cancel_and_wait
+from kvgate.middleware.framework.tasks import cancel_and_wait
 
 log = logging.getLogger("kvgate.routing_state")
 

@@ -31,7 +31,7 @@ from kvgate.middleware.framework.errors import NotFound, ServiceUnavailable
 from kvgate.middleware.serving.shared_states import SharedStates, StateStoreDown
 
 if TYPE_CHECKING:
-    from kvgate.middleware.framework.config import GatewayConfig
+    from kvgate.middleware.framework.composition.config import GatewayConfig
 
 #: Default bound: 100k ids x ~200 bytes = ~20 MB.
 DEFAULT_CAPACITY = 100_000

@@ -18,10 +18,10 @@ import aiohttp
 import orjson
 
 from kvgate.middleware.framework.errors import UpstreamError, UpstreamHTTPError
-from kvgate.middleware.observe.redact import scrub
+from kvgate.middleware.framework.redact import scrub
+from kvgate.middleware.framework.types import Send
 from kvgate.middleware.serving.context import Attempt
 from kvgate.middleware.serving.sse import EventRelay, EventTooLarge
-from kvgate.middleware.transport.asgi import Send
 from kvgate.middleware.transport.h1client import H1Client, H1Response
 
 #: Engine 4xx answers that mean load, not a bad request, and the status the client gets when no
@@ -47,7 +47,8 @@ async def open_request(
     except TimeoutError:
         raise UpstreamError(f"engine did not answer within {timeout.total} s", status=504) from None
     except aiohttp.ClientError as exc:
-        raise UpstreamError(  # the client sees it: no engine address (middleware/observe/redact.py)
+        # the client sees it: no engine address (middleware/framework/redact.py)
+        raise UpstreamError(
             f"cannot reach engine: {type(exc).__name__}: {scrub(str(exc))}",
             unreachable=isinstance(exc, aiohttp.ClientConnectionError),
         ) from None

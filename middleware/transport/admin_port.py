@@ -29,8 +29,9 @@ import uvicorn
 
 from kvgate.middleware.framework.errors import Forbidden, HTTPError, MethodNotAllowed, NotFound
 from kvgate.middleware.framework.plugin import Authenticator, authenticate
-from kvgate.middleware.transport.asgi import Receive, Scope, Send, send_bytes, send_error, send_json
-from kvgate.middleware.workers import WORKERS_ENV
+from kvgate.middleware.framework.types import Receive, Scope, Send
+from kvgate.middleware.process import WORKERS_ENV
+from kvgate.middleware.transport.asgi import send_bytes, send_error, send_json
 
 log = logging.getLogger("kvgate.admin_port")
 

@@ -9,16 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from kvgate.middleware.framework.errors import BadRequest, HTTPError, PayloadTooLarge
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-Headers = list[tuple[bytes, bytes]]
+from kvgate.middleware.framework.types import Headers, Receive, Scope, Send
 
 JSON_CT = (b"content-type", b"application/json")
 SSE_HEADERS: Headers = [

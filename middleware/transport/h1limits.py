@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvgate.middleware.framework.config import ServerConfig
+from kvgate.middleware.framework.composition.config import ServerConfig
 from kvgate.middleware.framework.errors import HTTPError
 
 log = logging.getLogger("kvgate.h1server")

@@ -76,9 +76,9 @@ from kvgate.middleware.framework.types import (
     OutcomeKind,
     StateKey,
     Usage,
+    add_log_field,
     add_response_header,
 )
-from kvgate.middleware.observe.access_log import add_log_field
 from kvgate.plugins.common.state import PREFIX_MATCH, SESSION_KEY, TOKEN_IDS
 from kvgate.plugins.tenancy.gateway_secret import (
     DEFAULT_ENV,
@@ -87,7 +87,7 @@ from kvgate.plugins.tenancy.gateway_secret import (
     load_secret,
     session_digest,
 )
-from kvgate.pricing.backends.base import open_backend
+from kvgate.pricing.backends.select import open_backend
 from kvgate.pricing.cost import Cost, TokenCounts, cost
 from kvgate.pricing.ledger import Ledger
 from kvgate.pricing.money import money_str

@@ -38,17 +38,15 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvgate.middleware.framework.tasks import cancel_and_wait
 from kvgate.middleware.framework.types import EndpointId
-from kvgate.middleware.tasks import cancel_and_wait
 from kvgate.plugins.common.redis_retry import redis_errors, stale_connection_retry
-
-if TYPE_CHECKING:
-    from kvgate.plugins.load.token_load import EngineLoad
+from kvgate.plugins.load.loads import EngineLoad
 
 log = logging.getLogger("kvgate.plugins.shared_load")
 
@@ -78,8 +76,6 @@ def encode_loads(loads: Mapping[EndpointId, EngineLoad]) -> str:
 
 def merge_loads(raws: list[Any]) -> dict[EndpointId, EngineLoad]:
     """Sum the replicas' published loads per engine (malformed or missing entries skipped)."""
-    from kvgate.plugins.load.token_load import EngineLoad
-
     total: dict[EndpointId, list[int]] = {}
     for raw in raws:
         if raw is None:

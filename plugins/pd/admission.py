@@ -73,7 +73,8 @@ from kvgate.middleware.framework.types import (
     RoutingDecision,
     StateKey,
 )
-from kvgate.plugins.load.token_load import EngineLoad, TokenLoadScorer
+from kvgate.plugins.load.loads import EngineLoad
+from kvgate.plugins.load.token_load import TokenLoadScorer
 
 #: Seconds after which an admitted request that never reached dispatch stops counting as
 #: pending load (admission to dispatch takes milliseconds: tokenization and scheduling).

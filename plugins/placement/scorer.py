@@ -67,7 +67,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import ClassVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -75,7 +74,6 @@ from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvgate.middleware.framework.errors import ConfigError
-from kvgate.middleware.framework.immutable import immutable
 from kvgate.middleware.framework.plugin import (
     DispatchHook,
     EndpointSetListener,
@@ -92,9 +90,8 @@ from kvgate.middleware.framework.types import (
     EndpointId,
     InferenceRequest,
     RoutingDecision,
-    StateKey,
+    add_log_field,
 )
-from kvgate.middleware.observe.access_log import add_log_field
 from kvgate.plugins.common.state import PREFIX_MATCH, SESSION_KEY, SESSION_PIN, PrefixMatch
 from kvgate.plugins.load.shared_load import CounterShare
 from kvgate.plugins.load.token_load import (
@@ -104,34 +101,7 @@ from kvgate.plugins.load.token_load import (
     uncached_tokens,
 )
 from kvgate.plugins.placement.insertion_ledger import InsertionLedger, SessionInsertions
-
-
-@dataclass(slots=True)
-class PlacementStats:
-    """Decisions by kind (``home``: the engine holding the most beyond the others; ``moved``: a
-    prefix held elsewhere was given up for pressure or queue; ``cold``: nothing beyond the
-    common prefix anywhere), session pins used and evicted, insertions charged [tokens]."""
-
-    decisions: dict[str, int] = field(
-        default_factory=lambda: {"home": 0, "moved": 0, "cold": 0}
-    )
-    pins_used: int = 0
-    pins_evicted: int = 0
-    hints_used: int = 0
-    inserted_tokens: int = 0
-    remote_inserted_tokens: int = 0
-
-
-@immutable
-class Placement:
-    """One scoring: cost per engine [tokens], the engine holding most beyond the others."""
-
-    costs: Mapping[EndpointId, float]
-    home: EndpointId | None
-
-
-#: The last placement of a request (for the dispatch hook's statistics).
-PLACEMENT: StateKey[Placement] = StateKey("kv-placement")
+from kvgate.plugins.placement.state import PLACEMENT, Placement, PlacementStats
 
 
 class KvPlacementScorer(

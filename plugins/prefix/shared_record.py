@@ -33,8 +33,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvgate.middleware.framework.tasks import cancel_and_wait
 from kvgate.middleware.framework.types import EndpointId
-from kvgate.middleware.tasks import cancel_and_wait
 from kvgate.plugins.common.redis_retry import redis_errors, stale_connection_retry
 from kvgate.plugins.load.shared_load import replica_id
 

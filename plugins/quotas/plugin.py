@@ -69,6 +69,7 @@ from kvgate.middleware.framework.plugin import (
     RequestEndHook,
     RequestHook,
 )
+from kvgate.middleware.framework.tasks import cancel_and_wait
 from kvgate.middleware.framework.types import (
     RESPONSE_HEADERS,
     CycleState,
@@ -79,7 +80,6 @@ from kvgate.middleware.framework.types import (
     StateKey,
     add_response_header,
 )
-from kvgate.middleware.tasks import cancel_and_wait
 from kvgate.plugins.billing.plugin import COST, Billing
 from kvgate.plugins.quotas.local import LocalStore
 from kvgate.plugins.quotas.model import Ask, ScopeLimits, Settlement, Verdict, to_units

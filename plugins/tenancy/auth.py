@@ -66,8 +66,8 @@ from kvgate.middleware.framework.plugin import (
     PrincipalLookup,
     RequestHook,
 )
+from kvgate.middleware.framework.tasks import cancel_and_wait
 from kvgate.middleware.framework.types import CycleState, InferenceRequest, StateKey
-from kvgate.middleware.tasks import cancel_and_wait
 from kvgate.plugins.common.reload import FileReloader, Reloadable, ReloadStatus
 from kvgate.plugins.tenancy.keys_model import (
     KEY_PREFIX,
@@ -100,7 +100,7 @@ from kvgate.plugins.tenancy.keys_store import (
 log = logging.getLogger("kvgate.plugins.auth")
 
 __all__ = ["API_KEY", "KEY_PREFIX", "LOCAL", "NO_LIMITS", "ApiKey", "ApiKeys", "KeyEntry",
-           "KeysFile", "Limits", "TenantEntry", "bearer", "credential", "format_entry",
+           "KeysFile", "Limits", "TenantEntry", "bearer", "credential",
            "hash_key", "load_keys", "new_key"]
 
 #: The caller's key (produced by api-keys; the billing plugin reads budgets from it).
@@ -488,14 +488,3 @@ class ModelResolver(Protocol):
     (kvgate.plugins.catalog.plugin)."""
 
     def canonical(self, name: str) -> str | None: ...
-
-
-def format_entry(key_id: str, tenant: str, key: str, models: Sequence[str], admin: bool) -> dict[
-    str, object
-]:
-    entry: dict[str, object] = {"id": key_id, "tenant": tenant, "sha256": hash_key(key)}
-    if models:
-        entry["models"] = list(models)
-    if admin:
-        entry["admin"] = True
-    return entry

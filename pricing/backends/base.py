@@ -23,7 +23,6 @@ import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from decimal import Decimal
 from typing import Generic, Protocol, TypeVar
-from urllib.parse import urlsplit
 
 from kvgate.pricing.records import COLUMNS, DECIMAL_FIELDS, LedgerRecord
 from kvgate.pricing.usage_api import UsageQuery, UsageRow
@@ -217,21 +216,3 @@ def usage_row(row: Sequence[object]) -> UsageRow:
 
 def _opt_str(value: object) -> str | None:
     return None if value is None else str(value)
-
-
-def open_backend(url: str, **options: float) -> LedgerBackend:
-    """``sqlite:///abs/path`` or ``postgresql://user[:pass]@host[:port]/db`` (no connection is
-    made until first use)."""
-    scheme = urlsplit(url).scheme
-    if scheme == "sqlite":
-        path = url.removeprefix("sqlite://")
-        if not path.startswith("/"):
-            raise ValueError("ledger URL: use sqlite:///absolute/path (three slashes)")
-        from kvgate.pricing.backends.sqlite import SqliteBackend
-
-        return SqliteBackend(path, **options)
-    if scheme in ("postgresql", "postgres"):
-        from kvgate.pricing.backends.postgres import PostgresBackend
-
-        return PostgresBackend(url, **options)
-    raise ValueError(f"ledger URL scheme {scheme!r}: expected sqlite:///path or postgresql://...")

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from kvgate.middleware.framework.api import ApiAdapter, UsageTap, is_by_id
+from kvgate.middleware.framework.composition.registry import load_apis
 from kvgate.middleware.framework.errors import BadRequest, NoEndpointAvailable, NotFound
-from kvgate.middleware.framework.registry import load_apis
 from kvgate.middleware.serving.gateway import ApiRoutes
 
 APIS = sorted(load_apis().items())

@@ -15,9 +15,9 @@ from typing import Any
 import pydantic
 import pytest
 
+from kvgate.middleware.framework.composition.registry import Registry
 from kvgate.middleware.framework.errors import NoEndpointAvailable
 from kvgate.middleware.framework.plugin import Filter, Picker, Plugin, Scorer, slots_of
-from kvgate.middleware.framework.registry import Registry
 from kvgate.middleware.framework.types import (
     Api,
     CycleState,

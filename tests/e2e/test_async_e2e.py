@@ -18,7 +18,7 @@ import pytest
 
 from kvgate.engines.local.launcher import LocalEngine
 from kvgate.engines.local.model import SERVED_NAME
-from kvgate.pricing.backends.base import open_backend
+from kvgate.pricing.backends.select import open_backend
 from tests.e2e.conftest import kvgate_serve, precise_plugins
 from tests.integration.billing_helpers import ALL, Keys, write_keys
 

@@ -21,7 +21,7 @@ from kvgate.engines.local.fleet import local_fleet
 from kvgate.engines.local.launcher import LocalEngine
 from kvgate.engines.local.model import SERVED_NAME
 from kvgate.middleware.app import KvgateApp, create_app
-from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.composition.config import parse_config
 from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
 
 pytestmark = pytest.mark.e2e

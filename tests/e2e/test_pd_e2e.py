@@ -17,10 +17,10 @@ from kvgate.engines.local.fleet import start_pd_pair
 from kvgate.engines.local.launcher import LocalEngine, stop
 from kvgate.engines.local.model import SERVED_NAME
 from kvgate.engines.vllm import VllmAdapter
-from kvgate.middleware.quickstart import pd_config_data
+from kvgate.middleware.framework.composition.quickstart import pd_config_data
 from kvgate.plugins.tenancy.cache_salt import derive_salt, tenant_scope
 from kvgate.plugins.tenancy.gateway_secret import CACHE_SALT_PURPOSE, GatewaySecret
-from kvgate.pricing.backends.base import open_backend
+from kvgate.pricing.backends.select import open_backend
 from tests.e2e.conftest import kvgate_serve
 from tests.integration.billing_helpers import ALL, Keys, sse_events, write_keys
 

@@ -17,7 +17,7 @@ from kvgate.engines.local.model import SERVED_NAME
 from kvgate.engines.local.paths import kvgate_home
 from kvgate.engines.ports import free_port
 from kvgate.middleware.app import create_app
-from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.composition.config import parse_config
 from tests.integration.conftest import gateway_config
 from tests.integration.otlp_collector import Collector
 from tests.servers import serve_asgi

@@ -16,7 +16,7 @@ import yaml
 from kvgate.middleware.app import KvgateApp
 from kvgate.plugins.billing.plugin import Billing
 from kvgate.plugins.tenancy.auth import hash_key, new_key
-from kvgate.pricing.backends.base import open_backend
+from kvgate.pricing.backends.select import open_backend
 from kvgate.pricing.records import LedgerRecord
 from tests.integration.conftest import gateway_config
 

@@ -16,7 +16,7 @@ from kvgate.engines.sim.core.config import SimConfig
 from kvgate.engines.sim.testing import RunningSim, serve_sim
 from kvgate.middleware.app import KvgateApp, create_app
 from kvgate.middleware.cli import HTTP_FRONTS
-from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.composition.config import parse_config
 from tests.servers import REDIS_SERVER, RedisServer, serve_asgi
 
 #: The HTTP/1.1 front end ``kvgate serve`` runs (middleware/transport/h1server.py), for ``serve_gateway``.

@@ -15,9 +15,9 @@ import pytest
 
 from kvgate.engines.sim.core.faults import FaultSpec
 from kvgate.engines.sim.testing import RunningSim
-from kvgate.middleware.framework.config import AccessLogConfig
+from kvgate.middleware.framework.composition.config import AccessLogConfig
+from kvgate.middleware.framework.composition.quickstart import pd_config_data
 from kvgate.middleware.observe.access_log import LOGGER, AccessLog, install_handler
-from kvgate.middleware.quickstart import pd_config_data
 from tests.integration.billing_helpers import Keys, billing_config, write_keys
 from tests.integration.conftest import FAST_POOL, gateway, serve_gateway, sim_fleet
 
@@ -200,7 +200,7 @@ async def test_disabled_writes_nothing_and_file_handler_writes_json(
 
 @pytest.mark.parametrize("bad", [{"enabled": "maybe"}, {"path": ""}, {"file": "x"}])
 def test_access_log_config_is_strict(bad: dict[str, Any]) -> None:
-    from kvgate.middleware.framework.config import parse_config
+    from kvgate.middleware.framework.composition.config import parse_config
     from kvgate.middleware.framework.errors import ConfigError
 
     with pytest.raises(ConfigError):

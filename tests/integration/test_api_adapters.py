@@ -23,10 +23,10 @@ from kvgate.apis.openai import ChatCompletions, check_common
 from kvgate.engines.sim.testing import RunningSim
 from kvgate.middleware.app import KvgateApp, create_app
 from kvgate.middleware.framework.api import ParsedRequest, SseEvent
-from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.composition.config import parse_config
+from kvgate.middleware.framework.composition.registry import Registry, load_apis
 from kvgate.middleware.framework.errors import HTTPError
 from kvgate.middleware.framework.plugin import CompletionHook, Plugin, UsageHook
-from kvgate.middleware.framework.registry import Registry, load_apis
 from kvgate.middleware.framework.types import (
     CycleState,
     Endpoint,

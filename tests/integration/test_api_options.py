@@ -10,7 +10,7 @@ import pytest
 
 from kvgate.engines.sim.testing import RunningSim
 from kvgate.middleware.app import KvgateApp, create_app
-from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.composition.config import parse_config
 from kvgate.middleware.framework.errors import ConfigError
 from tests.integration.conftest import gateway, gateway_config
 

@@ -24,7 +24,7 @@ import yaml
 from kvgate.asyncq.api import JobState
 from kvgate.engines.sim.core.faults import FaultSpec
 from kvgate.middleware.app import KvgateApp, create_app
-from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.composition.config import parse_config
 from tests.asyncq_helpers import PersistentRedis, until
 from tests.integration.billing_helpers import PRICES_YAML, write_keys
 from tests.integration.conftest import DEFAULT_PROFILE, FAST_POOL, gateway_config, sim_fleet

@@ -23,7 +23,7 @@ from kvgate.asyncq.store.sqlite_store import SqliteJobStore
 from kvgate.engines.sim.core.faults import FaultSpec
 from kvgate.engines.sim.testing import RunningSim
 from kvgate.middleware.app import KvgateApp, create_app
-from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.composition.config import parse_config
 from tests.asyncq_helpers import until
 from tests.integration.billing_helpers import Keys, billing_config, ledger_rows, write_keys
 from tests.integration.conftest import sim_fleet

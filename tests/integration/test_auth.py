@@ -14,10 +14,10 @@ import pytest
 import yaml
 
 from kvgate.engines.sim.testing import RunningSim
-from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.composition.config import parse_config
+from kvgate.middleware.framework.composition.pipeline import build_pipeline
+from kvgate.middleware.framework.composition.registry import Registry
 from kvgate.middleware.framework.errors import ConfigError
-from kvgate.middleware.framework.pipeline import build_pipeline
-from kvgate.middleware.framework.registry import Registry
 from kvgate.plugins.tenancy.auth import hash_key, load_keys, new_key
 from tests.integration.conftest import gateway, gateway_config, serve_gateway
 

@@ -15,9 +15,9 @@ import aiohttp
 import pytest
 
 from kvgate.engines.sim.core.faults import FaultSpec
-from kvgate.middleware.framework.config import parse_config, with_billing
+from kvgate.middleware.framework.composition.config import parse_config, with_billing
+from kvgate.middleware.framework.composition.quickstart import config_from_engines
 from kvgate.middleware.framework.errors import ConfigError
-from kvgate.middleware.quickstart import config_from_engines
 from kvgate.pricing.spool import SpoolError
 from tests.integration.billing_helpers import (
     Keys,

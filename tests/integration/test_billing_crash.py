@@ -18,7 +18,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from kvgate.pricing.backends.base import open_backend
+from kvgate.pricing.backends.select import open_backend
 from tests.integration.billing_helpers import (
     ALL,
     PRICES_YAML,

@@ -21,7 +21,7 @@ from kvgate.engines.ports import free_port
 from kvgate.engines.sim.demo import cache_aware_config, sim_config
 from kvgate.engines.sim.testing import serve_sim
 from kvgate.middleware.app import create_app
-from kvgate.middleware.framework.config import GatewayConfig
+from kvgate.middleware.framework.composition.config import GatewayConfig
 
 SYSTEM = "You are the archivist of the northern library. " + "shelf ledger entry " * 700
 BURST = 6

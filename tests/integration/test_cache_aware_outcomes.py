@@ -17,11 +17,12 @@ from kvgate.engines.ports import free_port
 from kvgate.engines.sim.demo import cache_aware_config, sim_config
 from kvgate.engines.sim.testing import RunningSim, serve_sim
 from kvgate.middleware.app import KvgateApp, create_app
-from kvgate.middleware.framework.config import PluginConfig
+from kvgate.middleware.framework.composition.config import PluginConfig
+from kvgate.middleware.framework.composition.registry import Registry
 from kvgate.middleware.framework.plugin import Plugin, UsageHook
-from kvgate.middleware.framework.registry import Registry
 from kvgate.middleware.framework.types import CycleState, Endpoint, InferenceRequest, Usage
-from kvgate.plugins.load.token_load import EngineLoad, TokenLoadScorer
+from kvgate.plugins.load.loads import EngineLoad
+from kvgate.plugins.load.token_load import TokenLoadScorer
 from tests.servers import serve_asgi
 
 CHAT = {"model": "sim-model", "max_tokens": 6, "ignore_eos": True,

@@ -16,7 +16,7 @@ import pytest
 from kvgate.engines.sim.core.faults import FaultSpec
 from kvgate.engines.sim.testing import RunningSim
 from kvgate.middleware.app import KvgateApp
-from kvgate.middleware.observe.redact import MAX_MESSAGE_CHARS
+from kvgate.middleware.framework.redact import MAX_MESSAGE_CHARS
 from tests.integration.billing_helpers import Keys, write_keys
 from tests.integration.conftest import gateway, gateway_config, sim_fleet
 

@@ -13,13 +13,15 @@ import pytest
 from pydantic import BaseModel
 
 from kvgate.middleware.app import KvgateApp, create_app
-from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.composition.config import parse_config
+from kvgate.middleware.framework.composition.registry import Registry
 from kvgate.middleware.framework.errors import ConfigError
 from kvgate.middleware.framework.plugin import (
     AsgiApp,
     AsgiMount,
     Deferred,
     HttpResponse,
+    LoopbackCaller,
     NeedsLoopback,
     Plugin,
     PluginLookup,
@@ -27,16 +29,17 @@ from kvgate.middleware.framework.plugin import (
     StateResolver,
     UsageHook,
 )
-from kvgate.middleware.framework.registry import Registry
 from kvgate.middleware.framework.types import (
     CycleState,
     Endpoint,
     InferenceRequest,
     Principal,
+    Receive,
+    Scope,
+    Send,
     Usage,
 )
-from kvgate.middleware.serving.loopback import Loopback
-from kvgate.middleware.transport.asgi import Receive, Scope, Send, send_json
+from kvgate.middleware.transport.asgi import send_json
 from tests.integration.conftest import gateway_config, sim_fleet
 
 CHAT: dict[str, Any] = {"model": "sim-model", "max_tokens": 3,
@@ -64,13 +67,13 @@ class Probe(Plugin, AsgiMount, NeedsLoopback, RequestDeferral, StateResolver, Us
         super().__init__(name, params, plugins)
         assert isinstance(params, Probe.Params)
         self.prefixes = params.prefixes
-        self.loopback: Loopback | None = None
+        self.loopback: LoopbackCaller | None = None
         self.seen: list[tuple[str, str | None, str | None, str | None]] = []
 
     def mounts(self) -> Sequence[tuple[str, AsgiApp]]:
         return [(p, _echo_app) for p in self.prefixes]
 
-    def bind_loopback(self, loopback: Loopback) -> None:
+    def bind_loopback(self, loopback: LoopbackCaller) -> None:
         self.loopback = loopback
 
     async def defer(self, req: InferenceRequest, adapter_name: str,

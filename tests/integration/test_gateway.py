@@ -14,7 +14,7 @@ import pytest
 from kvgate.engines.sim.core.faults import FaultSpec
 from kvgate.engines.sim.testing import RunningSim
 from kvgate.middleware.app import KvgateApp, create_app
-from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.composition.config import parse_config
 from tests.integration.billing_helpers import sse_events
 from tests.integration.conftest import gateway, gateway_config, sim_fleet
 

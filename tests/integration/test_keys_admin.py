@@ -245,7 +245,7 @@ def test_admin_api_fuzz_no_5xx_and_openai_shaped_errors(tmp_path: Path) -> None:
     from hypothesis import HealthCheck, given, settings
 
     from kvgate.middleware.app import create_app
-    from kvgate.middleware.framework.config import parse_config
+    from kvgate.middleware.framework.composition.config import parse_config
 
     async def app_of() -> Any:
         keys = tmp_path / "keys.yaml"

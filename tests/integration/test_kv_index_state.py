@@ -19,9 +19,9 @@ from kvgate.engines.sim.core import tokenizer as sim_tokenizer
 from kvgate.engines.sim.core.config import KvEventsConfig, SimConfig
 from kvgate.engines.sim.testing import RunningSim, serve_sim
 from kvgate.middleware.app import KvgateApp, create_app
-from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.composition.config import parse_config
+from kvgate.middleware.framework.composition.registry import Registry
 from kvgate.middleware.framework.plugin import HealthSource, Plugin
-from kvgate.middleware.framework.registry import Registry
 from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
 from tests.servers import free_port
 

@@ -26,7 +26,7 @@ from kvgate.engines.sim.core.pd import PdStats
 from kvgate.engines.sim.http.app import sim_handles
 from kvgate.engines.sim.testing import RunningSim, serve_sim
 from kvgate.middleware.app import KvgateApp
-from kvgate.middleware.quickstart import pd_config_data
+from kvgate.middleware.framework.composition.quickstart import pd_config_data
 from kvgate.plugins.load.token_load import TokenLoadScorer
 from kvgate.plugins.pd.admission import PdAdmission
 from tests.integration.billing_helpers import PRICES_YAML, ledger_rows, write_keys

@@ -19,7 +19,7 @@ from kvgate.engines.ports import free_port
 from kvgate.engines.sim.demo import cache_aware_config, sim_config
 from kvgate.engines.sim.testing import serve_sim
 from kvgate.middleware.app import KvgateApp, create_app
-from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.composition.config import parse_config
 from kvgate.middleware.framework.plugin import Plugin
 from kvgate.middleware.observe.metrics import PluginCounters, counter_holders
 from tests.integration.billing_helpers import billing_config, write_keys

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from kvgate.engines.sim.core.faults import FaultSpec
-from kvgate.middleware.framework.config import parse_config, with_billing, with_quotas
+from kvgate.middleware.framework.composition.config import parse_config, with_billing, with_quotas
 from kvgate.plugins.quotas.plugin import Quotas
 from kvgate.plugins.tenancy.auth import hash_key, new_key
 from tests.asyncq_helpers import until

@@ -22,8 +22,8 @@ import pytest
 
 from kvgate.engines.ports import free_port
 from kvgate.engines.sim.core.faults import FaultSpec
+from kvgate.middleware.framework.types import Send
 from kvgate.middleware.serving import sse
-from kvgate.middleware.transport.asgi import Send
 from tests.integration.conftest import (
     KVGATE_FRONT,
     gateway_config,

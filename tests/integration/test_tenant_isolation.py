@@ -20,7 +20,7 @@ import yaml
 from kvgate.engines.sim.core.config import KvEventsConfig, SimConfig
 from kvgate.engines.sim.testing import RunningSim, serve_sim
 from kvgate.middleware.app import KvgateApp, create_app
-from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.composition.config import parse_config
 from kvgate.plugins.load.session_affinity import session_key
 from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
 from kvgate.plugins.tenancy.auth import hash_key, new_key

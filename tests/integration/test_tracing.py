@@ -19,9 +19,9 @@ from kvgate.engines.sim.core.config import PdSimConfig, SimConfig
 from kvgate.engines.sim.http.app import sim_handles
 from kvgate.engines.sim.testing import RunningSim, serve_sim
 from kvgate.middleware.app import KvgateApp, create_app
-from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.composition.config import parse_config
+from kvgate.middleware.framework.composition.quickstart import pd_config_data
 from kvgate.middleware.framework.errors import ConfigError
-from kvgate.middleware.quickstart import pd_config_data
 from tests.integration.billing_helpers import billing_config, write_keys
 from tests.integration.conftest import FAST_POOL, gateway, gateway_config, sim_fleet
 from tests.integration.otlp_collector import Collector

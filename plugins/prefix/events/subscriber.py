@@ -50,8 +50,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvgate.middleware.framework.errors import ConfigError
 from kvgate.middleware.framework.plugin import EndpointSetListener, Lifecycle, Plugin, PluginLookup
+from kvgate.middleware.framework.tasks import cancel_and_wait
 from kvgate.middleware.framework.types import Endpoint
-from kvgate.middleware.tasks import cancel_and_wait
 from kvgate.plugins.prefix.events.health import HealthParams, IndexHealth, Source
 from kvgate.plugins.prefix.events.replay import PendingGap, ReplayFailed, fetch_replay
 from kvgate.plugins.prefix.events.stats import KvEventsStats, StatsCollector

@@ -11,7 +11,8 @@ import pytest
 
 from kvgate.engines.sim.core.config import SimConfig
 from kvgate.engines.sim.core.tokenizer import chat_token_ids
-from kvgate.engines.sim.http.app import create_sim_app, sim_handles
+from kvgate.engines.sim.http.app import sim_handles
+from kvgate.engines.sim.http.server import create_sim_app
 from kvgate.engines.sim.testing import serve_sim
 from kvgate.engines.vllm import VllmAdapter
 

@@ -14,9 +14,9 @@ from bench.agentic_systems import (
     counter_deltas,
     serve_argv,
 )
-from kvgate.middleware.framework.config import parse_config
-from kvgate.middleware.framework.pipeline import build_pipeline
-from kvgate.middleware.framework.registry import Registry
+from kvgate.middleware.framework.composition.config import parse_config
+from kvgate.middleware.framework.composition.pipeline import build_pipeline
+from kvgate.middleware.framework.composition.registry import Registry
 
 FLEET = Fleet(("http://127.0.0.1:8001", "http://127.0.0.1:8002"),
               ("tcp://127.0.0.1:5001", "tcp://127.0.0.1:5002"), Path("/models/tiny"), "tiny")

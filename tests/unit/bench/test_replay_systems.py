@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.replay_systems import tuned_quick_start
-from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.composition.config import parse_config
 
 
 @pytest.mark.parametrize("params", [{"load_weight": 0.0}, {"load_weight": 0.02, "pin_tokens": 0}])

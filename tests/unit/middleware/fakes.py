@@ -8,6 +8,7 @@ from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
+from kvgate.middleware.framework.composition.registry import Registry
 from kvgate.middleware.framework.engine import EngineAdapter
 from kvgate.middleware.framework.plugin import (
     Filter,
@@ -17,7 +18,6 @@ from kvgate.middleware.framework.plugin import (
     ProfileHandler,
     Scorer,
 )
-from kvgate.middleware.framework.registry import Registry
 from kvgate.middleware.framework.types import (
     CycleState,
     Endpoint,

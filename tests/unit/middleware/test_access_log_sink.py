@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvgate.middleware.framework.config import AccessLogConfig
+from kvgate.middleware.framework.composition.config import AccessLogConfig
 from kvgate.middleware.observe import access_log
 from kvgate.middleware.observe.access_log import LOGGER, AccessLog, install_handler
 

@@ -12,11 +12,11 @@ from kvgate.apis.pooling import Embeddings, Tokenize
 from kvgate.engines.sim.core import tokenizer as sim_tokenizer
 from kvgate.engines.vllm import VllmAdapter
 from kvgate.middleware.framework.api import ApiAdapter, match_route
-from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.composition.config import parse_config
+from kvgate.middleware.framework.composition.pipeline import build_pipeline, order_by_state
+from kvgate.middleware.framework.composition.registry import Registry, load_apis
 from kvgate.middleware.framework.errors import BadRequest, ConfigError
-from kvgate.middleware.framework.pipeline import build_pipeline, order_by_state
 from kvgate.middleware.framework.plugin import Plugin, RequestHook
-from kvgate.middleware.framework.registry import Registry, load_apis
 from kvgate.middleware.framework.types import Api, CycleState, InferenceRequest
 from kvgate.middleware.serving.gateway import ApiRoutes
 from kvgate.middleware.serving.requests import load_body

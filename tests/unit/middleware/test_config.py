@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from kvgate.engines.vllm import VllmAdapter
-from kvgate.middleware.framework.config import load_config, parse_config
+from kvgate.middleware.framework.composition.config import load_config, parse_config
+from kvgate.middleware.framework.composition.pipeline import build_pipeline
+from kvgate.middleware.framework.composition.quickstart import config_from_engines
 from kvgate.middleware.framework.errors import ConfigError
-from kvgate.middleware.framework.pipeline import build_pipeline
-from kvgate.middleware.quickstart import config_from_engines
 from tests.unit.middleware.fakes import TwoProfiles, registry
 
 ENGINE = {"name": "e0", "url": "http://127.0.0.1:9000"}
@@ -158,8 +158,8 @@ def test_quick_start_config() -> None:
 
 
 def test_shared_state_redis_url_is_the_default_of_plugins_redis_url_params() -> None:
-    from kvgate.middleware.framework.config import with_shared_state
-    from kvgate.middleware.framework.registry import Registry
+    from kvgate.middleware.framework.composition.config import with_shared_state
+    from kvgate.middleware.framework.composition.registry import Registry
     from kvgate.plugins.load.session_affinity import SessionAffinityScorer as SessionAffinity
 
     reg = registry(VllmAdapter)

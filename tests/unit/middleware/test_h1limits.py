@@ -21,8 +21,8 @@ from pydantic import ValidationError
 
 from kvgate.middleware import cli
 from kvgate.middleware.app import create_app
-from kvgate.middleware.framework.config import GatewayConfig, ServerConfig
-from kvgate.middleware.quickstart import QuickStart, quick_start_config
+from kvgate.middleware.framework.composition.config import GatewayConfig, ServerConfig
+from kvgate.middleware.framework.composition.quickstart import QuickStart, quick_start_config
 from kvgate.middleware.transport.h1limits import H1Limits
 from tests.servers import serve_asgi
 from tests.unit.middleware.test_h1server import WAIT_S, App, post, read_response, served, until

@@ -9,8 +9,8 @@ from collections.abc import Callable
 import pytest
 
 from kvgate.middleware.fleet.pool import EndpointPool, Lease
-from kvgate.middleware.framework.config import EngineConfig, PoolConfig
-from kvgate.middleware.framework.registry import Registry
+from kvgate.middleware.framework.composition.config import EngineConfig, PoolConfig
+from kvgate.middleware.framework.composition.registry import Registry
 from kvgate.middleware.framework.types import Endpoint
 
 NAMES = ("e0", "e1", "e2", "e3")

@@ -14,8 +14,8 @@ import pytest
 
 from kvgate.middleware import cli
 from kvgate.middleware.fleet.tokenizer_discovery import discover_tokenizer, find_local
+from kvgate.middleware.framework.composition.quickstart import QuickStart, quick_start_config
 from kvgate.middleware.framework.errors import ConfigError
-from kvgate.middleware.quickstart import QuickStart, quick_start_config
 
 
 @pytest.mark.parametrize(("qs", "expected"), [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate.middleware.observe.redact import public_view, scrub
+from kvgate.middleware.framework.redact import public_view, scrub
 
 SCRUB_CASES = [
     ("aiohttp refusal", "Cannot connect to host 10.0.0.1:8000 ssl:default "

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from kvgate.engines.vllm import VllmAdapter
-from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.composition.config import parse_config
+from kvgate.middleware.framework.composition.pipeline import build_pipeline
 from kvgate.middleware.framework.errors import NoEndpointAvailable
-from kvgate.middleware.framework.pipeline import build_pipeline
 from kvgate.middleware.framework.scheduler import Scheduler
 from kvgate.middleware.framework.types import Api, CycleState, Endpoint, InferenceRequest
 from tests.unit.middleware.fakes import registry

@@ -1,4 +1,4 @@
-"""middleware/tasks.py: a background task that loses a cancellation (as Python 3.11's
+"""middleware/framework/tasks.py: a background task that loses a cancellation (as Python 3.11's
 ``asyncio.wait_for`` can) is still stopped."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from kvgate.middleware import tasks
-from kvgate.middleware.tasks import cancel_and_wait
+from kvgate.middleware.framework import tasks
+from kvgate.middleware.framework.tasks import cancel_and_wait
 
 
 async def _loses_first_cancel(rounds: list[int]) -> None:

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.composition.config import parse_config
+from kvgate.middleware.framework.composition.registry import Registry
 from kvgate.middleware.framework.errors import ConfigError
-from kvgate.middleware.framework.registry import Registry
+from kvgate.middleware.process import CONFIG_ENV
 from kvgate.middleware.workers import (
-    CONFIG_ENV,
     check_workers,
     claim_slot,
     per_worker,

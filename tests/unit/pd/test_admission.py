@@ -18,7 +18,8 @@ from kvgate.middleware.framework.types import (
     OutcomeKind,
     Role,
 )
-from kvgate.plugins.load.token_load import Charge, TokenLoadScorer
+from kvgate.plugins.load.loads import Charge
+from kvgate.plugins.load.token_load import TokenLoadScorer
 from kvgate.plugins.pd.admission import PdAdmission
 
 

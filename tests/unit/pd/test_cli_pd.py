@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvgate.middleware import cli
-from kvgate.middleware.framework.pipeline import build_pipeline
-from kvgate.middleware.framework.registry import Registry
+from kvgate.middleware.framework.composition.pipeline import build_pipeline
+from kvgate.middleware.framework.composition.registry import Registry
 from kvgate.middleware.framework.types import Role
 from tests.cli_helpers import served_config
 

@@ -29,8 +29,8 @@ from kvgate.engines.connectors import (
 )
 from kvgate.engines.sim.bootstrap import BootstrapServer
 from kvgate.engines.sim.core.pd import KvBoard
+from kvgate.middleware.framework.composition.registry import Registry
 from kvgate.middleware.framework.connector import Connector, HopContext, TransferUnavailable
-from kvgate.middleware.framework.registry import Registry
 from kvgate.middleware.framework.types import Api, Endpoint, InferenceRequest, Role
 from tests.servers import free_port
 

@@ -13,10 +13,10 @@ import yaml
 from kvgate.engines.connectors import VllmMooncakeConnector
 from kvgate.engines.deploy.render import FleetSpec, render
 from kvgate.middleware import cli
-from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.composition.config import parse_config
+from kvgate.middleware.framework.composition.pipeline import build_pipeline
+from kvgate.middleware.framework.composition.registry import Registry
 from kvgate.middleware.framework.connector import HopContext
-from kvgate.middleware.framework.pipeline import build_pipeline
-from kvgate.middleware.framework.registry import Registry
 from kvgate.middleware.framework.types import Endpoint, Role
 
 

@@ -18,7 +18,7 @@ from helm_python.chart import lint as helm_lint
 from kvgate.engines.deploy.k8s import render_chart, render_k8s
 from kvgate.engines.deploy.render import FleetSpec, load_fleet, render
 from kvgate.middleware import cli
-from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.composition.config import parse_config
 
 K8S_VERSION = "1.33.0"
 ROOT = Path(__file__).resolve().parents[3]

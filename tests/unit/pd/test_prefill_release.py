@@ -14,7 +14,8 @@ from kvgate.middleware.framework.types import (
     Role,
     RoutingDecision,
 )
-from kvgate.plugins.load.token_load import IDLE, Charge, EngineLoad, LoadTracker, TokenLoadScorer
+from kvgate.plugins.load.loads import IDLE, Charge, EngineLoad, LoadTracker
+from kvgate.plugins.load.token_load import TokenLoadScorer
 from tests.plugin_helpers import NoLookup
 
 

@@ -11,10 +11,10 @@ import pytest
 import yaml
 
 from kvgate.middleware.framework.backend import MODEL_PLAN, BackendStep, PoolStep
-from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.composition.config import parse_config
+from kvgate.middleware.framework.composition.pipeline import build_pipeline
+from kvgate.middleware.framework.composition.registry import Registry
 from kvgate.middleware.framework.errors import ConfigError, ModelNotFound
-from kvgate.middleware.framework.pipeline import build_pipeline
-from kvgate.middleware.framework.registry import Registry
 from kvgate.middleware.framework.types import Api, CycleState, InferenceRequest
 from kvgate.plugins.catalog.plugin import CATALOG_ENTRY, Catalog
 from kvgate.plugins.tenancy.auth import ApiKey

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import yaml
 
-from kvgate.middleware.framework.config import parse_config
-from kvgate.middleware.framework.pipeline import build_pipeline
-from kvgate.middleware.framework.registry import Registry
+from kvgate.middleware.framework.composition.config import parse_config
+from kvgate.middleware.framework.composition.pipeline import build_pipeline
+from kvgate.middleware.framework.composition.registry import Registry
 from kvgate.plugins.catalog.plugin import Catalog
 from kvgate.plugins.common.reload import FileReloader
 

@@ -10,7 +10,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from kvgate.pricing.backends.base import open_backend
+from kvgate.pricing.backends.select import open_backend
 from kvgate.pricing.ledger import Ledger
 from tests.unit.pricing.helpers import record
 

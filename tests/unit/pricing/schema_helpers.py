@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import datetime as dt
 
-from kvgate.pricing.backends.base import ADDED_COLUMNS, TABLE, column_types, open_backend
+from kvgate.pricing.backends.base import ADDED_COLUMNS, TABLE, column_types
+from kvgate.pricing.backends.select import open_backend
 from kvgate.pricing.records import DECIMAL_FIELDS
 from tests.unit.pricing.helpers import record
 

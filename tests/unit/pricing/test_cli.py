@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.pricing.backends.base import open_backend
+from kvgate.pricing.backends.select import open_backend
 from kvgate.pricing.cli import parse_time, register
 from kvgate.pricing.records import COLUMNS, LedgerRecord
 from tests.unit.pricing.helpers import T0, random_records

@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from kvgate.pricing.backends.base import LedgerRejected, open_backend
+from kvgate.pricing.backends.base import LedgerRejected
+from kvgate.pricing.backends.select import open_backend
 from kvgate.pricing.ledger import Ledger, LedgerClosed
 from kvgate.pricing.records import LedgerRecord
 from kvgate.pricing.spool import Spool, SpoolError

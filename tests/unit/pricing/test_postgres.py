@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.pricing.backends.base import TABLE, LedgerUnavailable, open_backend
+from kvgate.pricing.backends.base import TABLE, LedgerUnavailable
+from kvgate.pricing.backends.select import open_backend
 from kvgate.pricing.ledger import Ledger
 from kvgate.pricing.records import LedgerRecord
 from tests.pg_server import PgServer, pg_server

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from kvgate.pricing.backends.base import LedgerBackend, open_backend
+from kvgate.pricing.backends.base import LedgerBackend
+from kvgate.pricing.backends.select import open_backend
 from kvgate.pricing.ledger import Ledger
 from kvgate.pricing.records import LedgerRecord
 from kvgate.pricing.usage_api import (

@@ -9,10 +9,10 @@ import pytest
 
 from kvgate.engines.sim.core import tokenizer as sim_tokenizer
 from kvgate.engines.vllm import VllmAdapter
-from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.composition.config import parse_config
+from kvgate.middleware.framework.composition.pipeline import Pipeline, build_pipeline
+from kvgate.middleware.framework.composition.registry import Registry
 from kvgate.middleware.framework.errors import ConfigError
-from kvgate.middleware.framework.pipeline import Pipeline, build_pipeline
-from kvgate.middleware.framework.registry import Registry
 from kvgate.middleware.framework.types import Api, CycleState, Endpoint, RoutingDecision
 from kvgate.plugins.common.state import PREFIX_MATCH, PrefixMatch
 from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber

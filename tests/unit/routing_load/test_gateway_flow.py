@@ -15,9 +15,9 @@ from kvgate.engines.sim.core.config import SimConfig
 from kvgate.engines.sim.testing import serve_sim
 from kvgate.engines.vllm import VllmAdapter
 from kvgate.middleware.app import KvgateApp, create_app
-from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.composition.config import parse_config
+from kvgate.middleware.framework.composition.registry import Registry
 from kvgate.middleware.framework.plugin import CompletionHook, Plugin, PluginLookup, UsageHook
-from kvgate.middleware.framework.registry import Registry
 from kvgate.middleware.framework.types import CycleState, Endpoint, InferenceRequest, Outcome, Usage
 from kvgate.plugins.load.session_affinity import SessionAffinityScorer
 from kvgate.plugins.load.token_load import TokenImbalanceFilter, TokenLoadScorer

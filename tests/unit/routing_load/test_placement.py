@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from kvgate.middleware.framework.types import CycleState, Endpoint, EngineMetrics, RoutingDecision
 from kvgate.plugins.common.state import PREFIX_MATCH, SESSION_KEY, TOKEN_IDS, PrefixMatch
 from kvgate.plugins.placement.insertion_ledger import InsertionLedger, SessionInsertions
-from kvgate.plugins.placement.scorer import PLACEMENT, KvPlacementScorer
+from kvgate.plugins.placement.scorer import KvPlacementScorer
+from kvgate.plugins.placement.state import PLACEMENT
 from tests.unit.routing_load.helpers import Lookup, ep, load_scorer, req
 
 CAP = 10_000  # tokens per engine in these tests
@@ -86,7 +87,7 @@ def test_costs_are_tokens_of_recompute_queue_and_pressure() -> None:
 
 
 def _charge(engine: str, prefill: int) -> Any:
-    from kvgate.plugins.load.token_load import Charge
+    from kvgate.plugins.load.loads import Charge
     return Charge(engine, prefill, 0)
 
 

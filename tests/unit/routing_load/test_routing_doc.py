@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
-from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.composition.config import parse_config
+from kvgate.middleware.framework.composition.quickstart import QuickStart, quick_start_config
 from kvgate.middleware.framework.types import (
     Api,
     CycleState,
@@ -19,10 +20,9 @@ from kvgate.middleware.framework.types import (
     InferenceRequest,
     RoutingDecision,
 )
-from kvgate.middleware.quickstart import QuickStart, quick_start_config
 from kvgate.plugins.common.state import PREFIX_MATCH, SESSION_KEY, TOKEN_IDS, PrefixMatch
-from kvgate.plugins.placement.scorer import PLACEMENT as PLACEMENT_KEY
 from kvgate.plugins.placement.scorer import KvPlacementScorer
+from kvgate.plugins.placement.state import PLACEMENT as PLACEMENT_KEY
 from tests.unit.routing_load.helpers import Lookup
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "routing.md"

@@ -11,8 +11,9 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvgate.middleware.framework.types import CycleState, Outcome, OutcomeKind, RoutingDecision
+from kvgate.plugins.load.loads import EngineLoad
 from kvgate.plugins.load.shared_load import merge_loads
-from kvgate.plugins.load.token_load import EngineLoad, TokenLoadScorer
+from kvgate.plugins.load.token_load import TokenLoadScorer
 from tests.servers import REDIS_SERVER, RedisServer, free_port
 from tests.unit.routing_load.helpers import ep, load_scorer, req
 

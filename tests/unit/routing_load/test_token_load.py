@@ -23,10 +23,8 @@ from kvgate.middleware.framework.types import (
     RoutingDecision,
 )
 from kvgate.plugins.common.state import PREFIX_MATCH, TOKEN_IDS, PrefixMatch
+from kvgate.plugins.load.loads import Charge, EngineLoad, LoadTracker
 from kvgate.plugins.load.token_load import (
-    Charge,
-    EngineLoad,
-    LoadTracker,
     TokenImbalanceFilter,
     TokenLoadScorer,
     expected_output_tokens,

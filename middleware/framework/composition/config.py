@@ -2,7 +2,8 @@
 
 Schema errors are reported as :class:`ConfigError` naming the file, the instance and the
 problem. Semantic checks that need the plugin registry (unknown types, slots, refs, state keys)
-live in :mod:`kvgate.middleware.framework.pipeline`. Every key is documented in docs/config.md.
+live in :mod:`kvgate.middleware.framework.composition.pipeline`. Every key is documented in
+docs/config.md.
 """
 
 from __future__ import annotations
@@ -261,7 +262,7 @@ class GatewayConfig(BaseModel):
     disaggregation: DisaggregationConfig | None = None
     #: Options of client API adapters by adapter name (``kvgate.apis`` entry point), each
     #: validated at startup against that adapter's ``Params`` model
-    #: (middleware/framework/registry.py).
+    #: (middleware/framework/composition/registry.py).
     apis: dict[str, dict[str, Any]] = Field(default_factory=dict)
     #: Shared state between replicas (``kvgate serve --redis URL``); ``None``: each process
     #: keeps its own (one replica).

@@ -14,7 +14,11 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
-from kvgate.middleware.framework.config import PD_CONNECTORS, GatewayConfig, parse_config
+from kvgate.middleware.framework.composition.config import (
+    PD_CONNECTORS,
+    GatewayConfig,
+    parse_config,
+)
 from kvgate.middleware.framework.errors import ConfigError
 
 PRESET_GROUP = "kvgate.presets"

@@ -13,12 +13,13 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from kvgate.middleware.framework.backend import Backend
-from kvgate.middleware.framework.config import (
+from kvgate.middleware.framework.composition.config import (
     GatewayConfig,
     PluginConfig,
     ProfileConfig,
     plugin_param_defaults,
 )
+from kvgate.middleware.framework.composition.registry import Registry
 from kvgate.middleware.framework.connector import Connector
 from kvgate.middleware.framework.engine import EngineAdapter
 from kvgate.middleware.framework.errors import ConfigError
@@ -48,7 +49,6 @@ from kvgate.middleware.framework.plugin import (
     UsageHook,
     slots_of,
 )
-from kvgate.middleware.framework.registry import Registry
 from kvgate.middleware.framework.scheduler import Profile, Scheduler, WeightedScorer
 
 

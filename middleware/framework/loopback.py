@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 from kvgate.middleware.framework.errors import UpstreamError
 from kvgate.middleware.framework.plugin import AsgiApp, Authenticator, PrincipalLookup
-from kvgate.middleware.framework.types import Endpoint, Principal
-from kvgate.middleware.transport.asgi import Message, Scope
+from kvgate.middleware.framework.types import Endpoint, LoopbackResponse, Message, Principal, Scope
 
 #: The scope key of a loopback call's context.
 SCOPE_KEY = "kvgate"
@@ -37,18 +36,6 @@ class LoopbackContext:
     principal: Principal | None
     request_id: str | None
     tier: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class LoopbackResponse:
-    status: int
-    #: Lower-cased response header names.
-    headers: Mapping[str, str]
-    body: bytes
-
-    @property
-    def content_type(self) -> str:
-        return self.headers.get("content-type", "application/json")
 
 
 def loopback_context(scope: Scope) -> LoopbackContext | None:

@@ -1,0 +1,1 @@
+"""The composition: config, its validation into a pipeline, the registry, the quick start."""
