@@ -38,6 +38,13 @@ PASS_HTTPX = "passthrough-httpx"
 #: kvgate's own HTTP server and engine client around an app that only forwards the body: the
 #: floor under ``kvgate``'s CPU per request (what kvgate costs above it is the gateway's work).
 PASS_H1 = "passthrough-h1"
+#: kvgate's quick start with the precise preset: the model's tokenizer (``KVGATE_BENCH_TOKENIZER``,
+#: default the local tiny test model's folder) and ``--kv-events`` on a loopback address where
+#: nothing publishes (the fake engine has no KV cache): every request is tokenized, hashed in
+#: the engines' block layout and looked up in the KV-event index, as with real engines.
+KVGATE_PRECISE = "kvgate-precise"
+TOKENIZER_ENV = "KVGATE_BENCH_TOKENIZER"
+DEFAULT_TOKENIZER = Path.home() / ".cache" / "kvgate" / "models" / "tiny-llama-0"
 #: The cache-aware default's essential work in one flat function on kvgate's own server,
 #: client and primitives (bench/flat_bound.py): a lower bound for a Python gateway.
 FLAT_BOUND = "flat-bound"
@@ -75,6 +82,15 @@ class Endpoint:
 def _kvgate(upstream: str, port: int, _aux: int, _root: Path) -> list[str]:
     kvgate = Path(sys.executable).parent / "kvgate"
     return [str(kvgate), "serve", "--engine", upstream, "--host", "127.0.0.1", "--port", str(port)]
+
+
+def _kvgate_precise(upstream: str, port: int, aux: int, root: Path) -> list[str]:
+    model_dir = Path(os.environ.get(TOKENIZER_ENV) or DEFAULT_TOKENIZER)
+    if not (model_dir / "tokenizer.json").is_file():
+        raise SystemExit(f"{KVGATE_PRECISE}: no tokenizer.json in {model_dir} (set {TOKENIZER_ENV}"
+                         " to a model folder; the e2e tests build the tiny one)")
+    return [*_kvgate(upstream, port, aux, root), "--kv-events", f"tcp://127.0.0.1:{aux}",
+            "--tokenizer", str(model_dir)]
 
 
 def _kvgate_uvicorn(upstream: str, port: int, aux: int, root: Path) -> list[str]:
@@ -132,6 +148,8 @@ def catalogue() -> dict[str, System]:
     systems = [
         System(DIRECT, None),
         System(KVGATE, _kvgate, start_timeout_s=120.0, ready_path="/v1/models",
+               own_workdir=True),
+        System(KVGATE_PRECISE, _kvgate_precise, start_timeout_s=120.0, ready_path="/v1/models",
                own_workdir=True),
         System(KVGATE_UVICORN, _kvgate_uvicorn, start_timeout_s=120.0, ready_path="/v1/models",
                own_workdir=True),
