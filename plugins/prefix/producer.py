@@ -65,25 +65,22 @@ from kvgate.middleware.framework.types import (
     StateKey,
     Usage,
 )
-from kvgate.plugins.common.state import (
-    CACHE_SALT,
-    PREFIX_MATCH,
-    TOKEN_IDS,
-    TOKEN_IDS_INEXACT,
-    PrefixMatch,
-)
-from kvgate.plugins.prefix.events.health import IndexHealth
 from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
-from kvgate.plugins.prefix.index.index import (
-    HashingError,
-    KvIndex,
-    chain_hashes,
-    engine_of,
-    request_extra_keys,
-)
+from kvgate.plugins.prefix.events.health import IndexHealth
+from kvgate.plugins.prefix.index.index import HashingError
+from kvgate.plugins.prefix.index.index import KvIndex
+from kvgate.plugins.prefix.index.index import engine_of
+from kvgate.plugins.prefix.record_chains import EVENTS
 from kvgate.plugins.prefix.record_chains import ChainMemo
-from kvgate.plugins.prefix.shared_record import RecordShare, start_record_share
-from kvgate.plugins.prefix.shared_tier import SHARED_HOLDER, fold_shared
+from kvgate.plugins.prefix.shared_record import RecordShare
+from kvgate.plugins.prefix.shared_record import start_record_share
+from kvgate.plugins.prefix.shared_tier import SHARED_HOLDER
+from kvgate.plugins.prefix.shared_tier import fold_shared
+from kvgate.plugins.common.state import CACHE_SALT
+from kvgate.plugins.common.state import PREFIX_MATCH
+from kvgate.plugins.common.state import TOKEN_IDS
+from kvgate.plugins.common.state import TOKEN_IDS_INEXACT
+from kvgate.plugins.common.state import PrefixMatch
 
 #: No engine routed on KV events (the record-only match's ``precise_engines``).
 _NO_ENGINES: frozenset[EndpointId] = frozenset()
@@ -180,9 +177,9 @@ class PrefixCacheProducer(
         engine_capacity_blocks: int | None = Field(None, ge=1)
         #: approximate / auto: lifetime of a record after the last request that used it, s.
         record_ttl_s: float = Field(600.0, gt=0)
-        #: approximate / auto: bytes of recent prompts' token ids and record hashes kept so
-        #: that a prompt extending one of them is hashed only past it
-        #: (plugins/prefix/record_chains.py; 32 MiB: ~160 agent prompts of 200 KiB; 0: off).
+        #: Bytes of recent prompts' token ids and hashes kept so that a prompt extending one of
+        #: them is hashed only past it (plugins/prefix/record_chains.py), per chain (the record's, the
+        #: KV-event index's); 32 MiB: ~160 agent prompts of 200 KiB; 0: off.
         chain_memo_bytes: int = Field(32 * 1024 * 1024, ge=0)
         #: approximate / auto: a tenant's requests only match that tenant's records.
         scope_by_tenant: bool = True
@@ -217,6 +214,8 @@ class PrefixCacheProducer(
         self._record_sizes = frozenset({params.block_size})
         #: Recent prompts' record chains: a session's next turn hashes only its new tail.
         self.chains = ChainMemo(params.chain_memo_bytes)
+        #: The same for the KV-event index's chains (the engines' block layout and extra keys).
+        self.event_chains = ChainMemo(params.chain_memo_bytes, EVENTS)
         #: The other replicas' record insertions (with ``redis_url``, once started).
         self.shared: RecordShare | None = None
         self.states = IndexHealth(policy=params.mode) if source is None else source.health_state
@@ -312,11 +311,8 @@ class PrefixCacheProducer(
         lora = req.model if req.model in self.p.lora_adapters else None
         salt = req.body.get("cache_salt")
         salt = salt if isinstance(salt, str) and salt else None
-        out: Hashes = {}
-        for size in sizes:
-            extra = request_extra_keys(len(tokens) // size, lora, salt)
-            out[size] = chain_hashes(tokens, size, group_idx=self.p.group_idx, extra_keys=extra)
-        return out
+        return {size: self.event_chains.chain(tokens, size, group_idx=self.p.group_idx,
+                                              scope=(lora, salt)) for size in sizes}
 
     def _record_scope(self, req: InferenceRequest, by_salt: bool) -> tuple[str | None, ...]:
         """The record's scope of ``req``: LoRA adapter, cache salt, tenant (strings or None:

@@ -24,7 +24,6 @@ from kvgate.plugins.prefix.tokenizer import (
     Tokenizer,
     TokenizerSpec,
     last_boundary_end,
-    message_prefix_keys,
 )
 from tests.unit.routing.helpers import NoLookup, request
 
@@ -309,29 +308,14 @@ async def test_hf_template_receives_tools_and_continue_final_message(tmp_path: P
     await plugin.stop()
 
 
-def test_prefix_cache_is_bounded_by_tokens() -> None:
-    from array import array
-
-    cache = ChatPrefixCache(capacity_tokens=10)
-    for i in range(5):
-        cache.put(bytes([i]), 0, 0, array("I", range(4)))
-    assert len(cache) == 2
-    assert cache.get(bytes([4])) is not None and cache.get(bytes([0])) is None
-    cache.put(b"big", 0, 0, array("I", range(11)))
-    assert cache.get(b"big") is None
-
-
-def test_message_prefix_keys_and_boundaries() -> None:
+def test_boundaries_are_found_backwards_through_growing_windows() -> None:
     import re
 
-    msgs = _conversation(1)
-    keys = message_prefix_keys(msgs, {})
-    assert len(keys) == len(msgs) + 1 and len(set(keys)) == len(keys)
-    assert message_prefix_keys(msgs[:2], {}) == keys[:3]
-    assert message_prefix_keys(msgs, {"tools": []})[1] != keys[1]
     pattern = re.compile(re.escape("<|eot_id|>"))
     text = "a<|eot_id|>b" + "x" * 5000 + "<|eot_id|>tail"
     assert last_boundary_end(text, pattern, 0) == len(text) - 4
+    assert last_boundary_end(text, pattern, 12) == len(text) - 4
+    assert last_boundary_end(text, pattern, 0, len(text) - 5) == 11
     assert last_boundary_end("no marks", pattern, 0) == 0
     assert last_boundary_end("a<|eot_id|>" + "y" * 9000, pattern, 0) == 11
     assert last_boundary_end("abc", None, 2) == 2
@@ -346,7 +330,7 @@ def test_module_backend_rejects_objects_without_the_api() -> None:
 def test_module_found_through_the_entry_point_group(monkeypatch: pytest.MonkeyPatch) -> None:
     from importlib.metadata import EntryPoint
 
-    import kvgate.plugins.prefix.tokenizer as tokenization
+    import kvgate.plugins.tokenizer_backends as tokenization
 
     def fake(group: str) -> list[EntryPoint]:
         assert group == "kvgate.tokenizers"
