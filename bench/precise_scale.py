@@ -34,6 +34,7 @@ import asyncio
 import json
 import random
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -47,7 +48,7 @@ from typing import Any
 import aiohttp
 import uvloop
 
-from bench import harness, procs
+from bench import harness, procs, profile, venvs
 from bench.harness import RunConfig, fmt, markdown_table
 from bench.systems import (
     DEFAULT_TOKENIZER,
@@ -68,7 +69,7 @@ CHARS_PER_TOKEN = 3.7
 TARGET_RPS_PER_CORE = 50.0
 TARGET_ADDED_P99_MS = 5.0
 #: /metrics series kept in the JSON and the memory table (substring match).
-METRIC_KEYS = ('plugin="tokenizer"', 'holder="chains', "kvgate_kv_index_blocks ",
+METRIC_KEYS = ('plugin="tokenizer"', 'chains.stats', "kvgate_kv_index_blocks ",
                'holder="hashes', "process_resident_memory_bytes ")
 
 
@@ -87,6 +88,8 @@ class Options:
     trials: int
     model_dir: Path
     out: Path
+    #: A system to py-spy during its run ("" for none).
+    profile: str = ""
 
 
 @dataclass
@@ -199,13 +202,23 @@ def measure(system: str, upstream: str, opts: Options, cfg: RunConfig) -> dict[s
     """One system on the whole load: CPU per request, latency, its /metrics."""
     spec = catalogue()[system]
     log = cfg.log_dir / f"{system}.log"
+    spy_out = cfg.log_dir / f"{system}-py-spy.collapsed"
     with launched(spec, upstream, harness.SUT_CPU, log, cfg.venv_root) as ep:
+        spy = None
+        if opts.profile == system and ep.pid:
+            argv = profile.py_spy_argv(ep.pid, 3600, spy_out, cfg.venv_root)
+            spy = subprocess.Popen(["taskset", "-c", str(harness.LOAD_CPU), *argv],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         cpu0 = procs.tree_cpu_seconds(ep.pid) if ep.pid else 0.0
         t0 = time.monotonic()
         samples = uvloop.run(drive(ep.base_url, opts))
         wall = time.monotonic() - t0
         cpu = (procs.tree_cpu_seconds(ep.pid) - cpu0) if ep.pid else None
         metrics = scrape(ep.base_url) if ep.pid else {}
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(timeout=120)
+    profiled = profile.summarise(spy_out.read_text()) if spy_out.is_file() else None
     good = [s for s in samples if s.ok]
     lat = [s.latency_ms for s in good]
     return {
@@ -217,7 +230,7 @@ def measure(system: str, upstream: str, opts: Options, cfg: RunConfig) -> dict[s
         "mean_body_kib": statistics.fmean(s.body_bytes for s in samples) / 1024,
         "max_body_kib": max(s.body_bytes for s in samples) / 1024,
         "latency": {f"{s.session}/{s.turn}": round(s.latency_ms, 3) for s in good},
-        "metrics": metrics,
+        "metrics": metrics, "profile": profiled,
     }
 
 
@@ -315,6 +328,7 @@ def parse_options(argv: Sequence[str] | None = None) -> Options:
     p.add_argument("--model-dir", type=Path, default=DEFAULT_TOKENIZER)
     p.add_argument("--quick", action="store_true", help="4 sessions to 20k tokens")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--profile", default="", metavar="SYSTEM", help="py-spy SYSTEM's run")
     a = p.parse_args(argv)
     systems = tuple(s for s in a.systems.split(",") if s)
     unknown = [s for s in systems if s not in catalogue()]
@@ -324,7 +338,8 @@ def parse_options(argv: Sequence[str] | None = None) -> Options:
         a.sessions, a.max_tokens = 4, 20_000
     out = a.out or RESULTS_DIR / f"precise-scale-{time.strftime('%Y%m%d-%H%M%S')}.json"
     return Options(systems, a.sessions, a.max_tokens, a.turn_tokens, a.reply_tokens,
-                   a.system_tokens, a.think_ms, a.seed, max(1, a.trials), a.model_dir, out)
+                   a.system_tokens, a.think_ms, a.seed, max(1, a.trials), a.model_dir, out,
+                   a.profile)
 
 
 def _median_result(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -340,6 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = RunConfig(rate=0, concurrency=opts.sessions, duration_s=0, warmup_s=0, trials=1,
                     venv_root=Path(".kvgate/bench-venvs"),
                     log_dir=opts.out.parent / f"{opts.out.stem}-logs")
+    if opts.profile:
+        venvs.ensure(venvs.PY_SPY, cfg.venv_root)
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in opts.systems}
     with harness.upstream_running(cfg) as upstream:
         procs.pin_self(harness.LOAD_CPU)
@@ -363,6 +380,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts.out.parent.mkdir(parents=True, exist_ok=True)
     opts.out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     print(text)
+    for r in results:
+        if r.get("profile"):
+            print(f"\n## {r['system']} profile (py-spy, self time)\n")
+            print(profile.top_table(r["profile"], rows=25))
+            print(f"\n## {r['system']} profile (py-spy, inclusive)\n")
+            print(profile.top_table({"top_self": r["profile"]["top_inclusive"]}, rows=25))
     print(f"\nJSON: {opts.out}")
     return 0
 

@@ -156,6 +156,38 @@ class KvIndex(HolderTable):
         return self._run(hashes_by_size, engine, group_idx,
                          lambda hold: not hold.tiers & LEARNED)
 
+    def provenance(
+        self, hashes_by_size: Mapping[int, Sequence[int]], engine: str, group_idx: int = 0,
+        limit_tokens: int | None = None,
+    ) -> tuple[int, int]:
+        """:meth:`confirmed` and :meth:`unlearned` in one pass, each at most ``limit_tokens``
+        (the walk stops there: a caller that caps both by a prediction walks no further)."""
+        confirmed = unlearned = 0
+        for hid, holder in self._holders.items():
+            if engine_of(hid) != engine:
+                continue
+            size = holder.block_sizes.get(group_idx, self.default_block_size)
+            hashes = hashes_by_size.get(size, ())
+            if limit_tokens is not None:
+                hashes = hashes[:limit_tokens // size]
+            get = holder.blocks.get
+            conf = run = 0
+            in_conf = in_run = True
+            for h in hashes:
+                hold = get(h)
+                if hold is None:
+                    break
+                if in_conf:
+                    in_conf = hold.ekey is not None
+                    conf += in_conf
+                if in_run:
+                    in_run = not hold.tiers & LEARNED
+                    run += in_run
+                if not (in_conf or in_run):
+                    break
+            confirmed, unlearned = max(confirmed, conf * size), max(unlearned, run * size)
+        return confirmed, unlearned
+
     def _run(self, hashes_by_size: Mapping[int, Sequence[int]], engine: str, group_idx: int,
              counts: Callable[[Hold], bool]) -> int:
         best = 0
