@@ -8,8 +8,12 @@ from array import array
 
 import pytest
 
+from kvgate.plugins.prefix.index import hashing as kv_hashing
 from kvgate.plugins.prefix import record_hash
 from kvgate.plugins.prefix.index.hashing import HashingError
+from kvgate.plugins.prefix.record_chains import EVENTS
+from kvgate.plugins.prefix.record_chains import RECORD
+from kvgate.plugins.prefix.record_chains import ChainHash
 from kvgate.plugins.prefix.record_chains import ChainMemo
 
 
@@ -99,3 +103,53 @@ def test_returned_chain_is_the_callers() -> None:
     first = memo.chain(prompt, 64)
     first.clear()
     assert memo.chain(prompt, 64) == record_hash.chain(prompt, 64)
+
+
+def _event_chain(ids: list[int] | array[int], size: int, group: int,
+                 scope: tuple[str | None, ...]) -> list[int]:
+    lora, salt = scope
+    extra = kv_hashing.request_extra_keys(len(ids) // size, lora, salt)
+    return kv_hashing.chain_hashes(ids, size, group_idx=group, extra_keys=extra)
+
+
+@pytest.mark.parametrize("how", ["extend", "repeat", "edit-middle", "shorter",
+                                 "new-after-first-block"])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("scope", [(None, None), ("adapter", None), (None, "salt"),
+                                   ("adapter", "salt")])
+def test_event_chain_same_as_hashing_whole(how: str, block_size: int,
+                                           scope: tuple[str | None, str | None]) -> None:
+    """The KV-event index's chain (vLLM's extra keys: the adapter on every block, the salt on
+    the first) continued from a remembered prompt equals hashing the whole prompt."""
+    rng = random.Random(f"events-{how}-{block_size}-{scope}")
+    memo = ChainMemo(hasher=EVENTS)
+    prompt = _ids(rng, 64 * 150 + 7)
+    for _turn in range(4):
+        got = memo.chain(array("I", prompt), block_size, group_idx=2, scope=scope)
+        assert got == _event_chain(prompt, block_size, 2, scope)
+        prompt = _edit(rng, prompt, how)
+    assert memo.stats.hits == 3 and memo.stats.misses == 1
+
+
+@pytest.mark.parametrize("hasher", [RECORD, EVENTS], ids=["record", "events"])
+def test_sessions_sharing_a_first_block_each_continue_their_own(hasher: ChainHash) -> None:
+    """Agent sessions start with one system prompt: each turn is found by its previous turn's
+    last block (not the shared first block's single slot), hashes only its new blocks, and
+    supersedes that previous turn (one entry per session)."""
+    rng = random.Random(11)
+    system = _ids(rng, 64 * 30)
+    sessions = [system + _ids(rng, 200) for _ in range(12)]
+    memo = ChainMemo(hasher=hasher)
+    hashed = 0
+    for turn in range(6):
+        for i, prompt in enumerate(sessions):
+            sessions[i] = prompt = prompt + _ids(rng, 300)
+            before = memo.stats.hashed_blocks
+            got = memo.chain(prompt, 16, scope=(None, None))
+            want = (record_hash.chain(prompt, 16, scope=(None, None)) if hasher is RECORD
+                    else _event_chain(prompt, 16, 0, (None, None)))
+            assert got == want
+            if turn:
+                hashed = max(hashed, memo.stats.hashed_blocks - before)
+    assert hashed <= 300 // 16 + 2  # only the turn's new blocks (and the partial one before)
+    assert len(memo) == len(sessions) and memo.stats.superseded == 5 * len(sessions)

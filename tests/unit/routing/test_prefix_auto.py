@@ -283,6 +283,32 @@ async def test_speculation_lasts_past_the_end_of_a_long_request() -> None:
     assert "e0" not in dict(late.device)  # no event ever came: it lapses 2 s after the end
 
 
+@pytest.mark.parametrize(("took_s", "lives_until"), [
+    (0.1, 2.0),  # under a quarter of the TTL: not re-recorded, lapses 2 s after dispatch
+    (1.0, 3.0),  # longer: extended to 2 s past the end
+])
+async def test_speculation_is_extended_only_past_a_quarter_of_its_ttl(
+        took_s: float, lives_until: float) -> None:
+    """Re-recording a prompt's speculation at usage is a pass over all its blocks; a request
+    that took under TTL/4 keeps its dispatch-time entries (>= 3/4 of the TTL past its end)."""
+    clock = Clock()
+    sub = _sub(clock)
+    producer = _producer(sub, clock, speculative_ttl_s=2)
+    toks = blocks(12, 3, BS)
+    state = CycleState()
+    state.put(TOKEN_IDS, tuple(toks))
+    req = request(Api.COMPLETIONS)
+    start = clock.now
+    await producer.prepare(req, state, EPS)
+    await producer.before_dispatch(req, state, RoutingDecision(target=EPS[0]))
+    clock.now += took_s
+    await producer.on_usage(req, state, EPS[0], Usage(len(toks), 1, 0))
+    clock.now = start + lives_until - 0.01
+    assert dict((await _serve(producer, toks, "e1")).device) == {"e0": 3 * BS}
+    clock.now = start + lives_until + 0.01
+    assert "e0" not in dict((await _serve(producer, toks, "e1")).device)
+
+
 @pytest.mark.parametrize(("removed_in_flight", "result"), [
     ([3, 2], "evicted"),  # the engine evicted predicted blocks while the request was in flight
     ([], "over"),  # nothing removed: the index itself was wrong
