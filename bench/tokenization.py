@@ -130,7 +130,7 @@ def conversation(text: str) -> Messages:
 def next_turn_us(backend: TokenizerBackend, msgs: Messages, repeats: int) -> float:
     samples = []
     for _ in range(repeats):
-        warm = ChatTokenizer(backend, ChatPrefixCache(1_000_000))
+        warm = ChatTokenizer(backend, ChatPrefixCache())
         warm.tokenize(msgs[:-2], True, {})
         t0 = time.perf_counter()
         warm.tokenize(msgs, True, {})
@@ -141,7 +141,7 @@ def next_turn_us(backend: TokenizerBackend, msgs: Messages, repeats: int) -> flo
 async def loop_blocked_us(spec: TokenizerSpec, msgs: Messages, offload: bool,
                           repeats: int) -> float:
     """Median over ``repeats`` of the longest event-loop stall while the plugin prepares."""
-    params = Tokenizer.Params(tokenizer=spec, cache_tokens=0,
+    params = Tokenizer.Params(tokenizer=spec, cache_bytes=0,
                               offload_min_chars=0 if offload else 1 << 40)
     plugin = Tokenizer("tokenizer", params, _NoLookup())
     await plugin.start()

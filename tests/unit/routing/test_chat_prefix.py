@@ -187,7 +187,8 @@ async def test_offloading_is_bounded_in_flight(bpe_dir: Path) -> None:
     chat = plugin.chat_tokenizer("m")
     assert chat is not None
     for body, state in zip(bodies, states, strict=True):
-        assert list(state.get(TOKEN_IDS) or ()) == _whole(chat.backend, body, True)
+        ids = state.get(TOKEN_IDS)
+        assert ids is not None and list(ids) == _whole(chat.backend, body, True)
     assert plugin.stats.waited == 2 and plugin.stats.in_flight == 0
     holders = counter_holders(plugin)
     assert holders["chat_cache"]["bytes"] > 0 and "evictions" in holders["chat_cache"]

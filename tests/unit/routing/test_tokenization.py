@@ -14,10 +14,11 @@ from tokenizers import Tokenizer as HfTokenizer
 from bench.tokenization import loop_ticks_while
 from kvgate.engines.sim.core import tokenizer as sim_tokenizer
 from kvgate.middleware.framework.errors import ConfigError
-from kvgate.middleware.framework.types import Api, CycleState, InferenceRequest
+from kvgate.middleware.framework.types import Api
+from kvgate.middleware.framework.types import CycleState
+from kvgate.middleware.framework.types import InferenceRequest
 from kvgate.plugins.common.state import TOKEN_IDS
 from kvgate.plugins.prefix.tokenizer import (
-    ChatPrefixCache,
     ChatTokenizer,
     HfBackend,
     ModuleBackend,
