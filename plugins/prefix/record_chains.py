@@ -12,14 +12,16 @@ whatever the memo holds (the tests compare them).
 
 Finding the remembered prompt:
 
-1. **By its last block.** Every prompt is indexed under ``(its full-block count n, the ids of
-   its last full block)``. A new prompt of ``n'`` blocks probes ``j = n', n'-1, ...`` (at most
-   :data:`MAX_PROBES`) with its own block ``j-1``; a hit is checked with one ``memcmp`` (the
-   remembered ids must be the new prompt's first ``j`` blocks). This finds the previous turn of
-   the *same* session even when hundreds of sessions share a system prompt (the old single slot
-   per first block went to whichever session ran last, and the others were rehashed from just
-   after the system prompt). The new prompt then **supersedes** the one it extends (one entry
-   per session, its latest turn).
+1. **By its last blocks.** Every prompt is indexed under ``(j, the ids of its block j-1)`` for
+   its last :data:`TAIL_KEYS` whole-block prefixes ``j = n, n-1``. A new prompt of ``n'``
+   blocks probes ``j = n', n'-1, ...`` (at most :data:`MAX_PROBES`) with its own block
+   ``j-1``; a hit is checked with one ``memcmp`` (the remembered ids' first ``j`` blocks must
+   be the new prompt's). This finds the previous turn of the *same* session even when hundreds
+   of sessions share a system prompt (the old single slot per first block went to whichever
+   session ran last, and the others were rehashed from just after the system prompt), and
+   even when the previous turn's last block differs (its generation prompt is tokenized again
+   with the reply after it). The new prompt then **supersedes** the one it continues (one
+   entry per session, its latest turn).
 2. **By its first block** (one slot per first block, last one in wins): prompts that diverge
    (an edit, a shorter retry) are compared in numpy to find where, and share what agrees.
 
@@ -55,6 +57,11 @@ DEFAULT_MAX_BYTES = 32 * 1024 * 1024
 #: 1,024 blocks is 16k tokens at block size 16 (a large tool output), ~0.3 ms of probing when
 #: nothing is found.
 MAX_PROBES = 1024
+#: A prompt is indexed by its last this many whole-block prefixes: the next turn of a chat
+#: re-tokenizes the previous one's generation prompt (``...assistant<|end_header_id|>\n\n``)
+#: together with the reply that follows it, so its last few ids, hence its last block, may
+#: differ from the previous prompt's while everything before agrees.
+TAIL_KEYS = 2
 
 Scope = tuple[str | None, ...]
 _Key = tuple[int, Scope, int, bytes]
@@ -129,7 +136,7 @@ class _Entry:
     ids: bytes
     hashes: list[int]
     first: _Key
-    last: _TailKey
+    last: tuple[_TailKey, ...]
 
     @property
     def size(self) -> int:
@@ -168,7 +175,8 @@ class ChainMemo:
         raw = record_hash.id_bytes(token_ids, n_blocks * block_size)
         width = _ID_BYTES * block_size
         first: _Key = (group_idx, scope, block_size, raw[:width])
-        last: _TailKey = (group_idx, scope, block_size, n_blocks, raw[-width:])
+        last = tuple((group_idx, scope, block_size, j, raw[(j - 1) * width:j * width])
+                     for j in range(n_blocks, max(0, n_blocks - TAIL_KEYS), -1))
         found, common = self._find(raw, first, width, n_blocks)
         stats = self.stats
         if found is None:
@@ -186,7 +194,7 @@ class ChainMemo:
             tail = hasher.chain_from(_view(raw)[common * block_size:], block_size, h, common,
                                      group_idx, scope)
             hashes = entry.hashes[:common] + tail
-            if common == len(entry.hashes):  # extends it: the session's next turn
+            if common >= len(entry.hashes) + 1 - TAIL_KEYS:  # the session's next turn
                 self._drop(found)
                 stats.superseded += 1
         stats.reused_blocks += common
@@ -200,7 +208,10 @@ class ChainMemo:
         get = self._last.get
         for j in range(n_blocks, max(0, n_blocks - MAX_PROBES), -1):
             found = get((group, scope, size, j, raw[(j - 1) * width:j * width]))
-            if found is not None and raw.startswith(self._entries[found].ids):
+            if found is None:
+                continue
+            ids = self._entries[found].ids
+            if raw.startswith(ids) if len(ids) == j * width else raw[:j * width] == ids[:j * width]:
                 return found, j
         found = self._first.get(first)
         if found is None:
@@ -212,11 +223,12 @@ class ChainMemo:
             return
         key = self._next
         self._next += 1
-        old = self._last.get(entry.last)
+        old = self._last.get(entry.last[0])
         if old is not None:  # the same blocks again, or a prompt ending like it: replaced
             self._drop(old)
         self._first[entry.first] = key  # last one in wins; the previous stays findable by its end
-        self._last[entry.last] = key
+        for tail in entry.last:
+            self._last[tail] = key
         self._entries[key] = entry
         self.stats.bytes += entry.size
         while self.stats.bytes > self.max_bytes:
@@ -231,8 +243,9 @@ class ChainMemo:
         self.stats.bytes -= entry.size
         if self._first.get(entry.first) == key:
             del self._first[entry.first]
-        if self._last.get(entry.last) == key:
-            del self._last[entry.last]
+        for tail in entry.last:
+            if self._last.get(tail) == key:
+                del self._last[tail]
 
 
 def _view(raw: bytes) -> U32Array:

@@ -131,11 +131,15 @@ def test_event_chain_same_as_hashing_whole(how: str, block_size: int,
     assert memo.stats.hits == 3 and memo.stats.misses == 1
 
 
+@pytest.mark.parametrize("retokenized", [0, 3])
 @pytest.mark.parametrize("hasher", [RECORD, EVENTS], ids=["record", "events"])
-def test_sessions_sharing_a_first_block_each_continue_their_own(hasher: ChainHash) -> None:
+def test_sessions_sharing_a_first_block_each_continue_their_own(hasher: ChainHash,
+                                                                retokenized: int) -> None:
     """Agent sessions start with one system prompt: each turn is found by its previous turn's
-    last block (not the shared first block's single slot), hashes only its new blocks, and
-    supersedes that previous turn (one entry per session)."""
+    last blocks (not the shared first block's single slot), hashes only its new blocks, and
+    supersedes that previous turn (one entry per session). ``retokenized``: the previous
+    turn's last ids differ in the next (a chat's generation prompt tokenized again with the
+    reply after it), which may change its last block."""
     rng = random.Random(11)
     system = _ids(rng, 64 * 30)
     sessions = [system + _ids(rng, 200) for _ in range(12)]
@@ -143,7 +147,8 @@ def test_sessions_sharing_a_first_block_each_continue_their_own(hasher: ChainHas
     hashed = 0
     for turn in range(6):
         for i, prompt in enumerate(sessions):
-            sessions[i] = prompt = prompt + _ids(rng, 300)
+            kept = prompt[:len(prompt) - retokenized]
+            sessions[i] = prompt = kept + _ids(rng, 300 + retokenized)
             before = memo.stats.hashed_blocks
             got = memo.chain(prompt, 16, scope=(None, None))
             want = (record_hash.chain(prompt, 16, scope=(None, None)) if hasher is RECORD
@@ -151,5 +156,5 @@ def test_sessions_sharing_a_first_block_each_continue_their_own(hasher: ChainHas
             assert got == want
             if turn:
                 hashed = max(hashed, memo.stats.hashed_blocks - before)
-    assert hashed <= 300 // 16 + 2  # only the turn's new blocks (and the partial one before)
+    assert hashed <= 300 // 16 + 3  # only the turn's new blocks (and the partial ones before)
     assert len(memo) == len(sessions) and memo.stats.superseded == 5 * len(sessions)
