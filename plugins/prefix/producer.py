@@ -97,6 +97,8 @@ _EVENT_HASHES: StateKey[Hashes] = StateKey("prefix-cache-event-hashes")
 _RECORD_HASHES: StateKey[Hashes] = StateKey("prefix-cache-record-hashes")
 #: What the KV-event index predicted per engine (device, other), before this dispatch.
 _PREDICTED: StateKey[Found] = StateKey("prefix-cache-predicted")
+#: Of each engine's prediction, the tokens confirmed by events and not learnt from usage.
+_RUNS: StateKey[Found] = StateKey("prefix-cache-runs")
 #: Leading prompt tokens in the fleet's shared tier (plugins/prefix/shared_tier.py), when any.
 _SHARED: StateKey[int] = StateKey("prefix-cache-shared-tier")
 
@@ -323,14 +325,23 @@ class PrefixCacheProducer(
         tenant = req.tenant if self.p.scope_by_tenant and not by_salt else None
         return (lora, salt, tenant)
 
-    def _match(self, index: KvIndex, hashes: Hashes, wanted: set[str]) -> Found:
+    def _match(self, index: KvIndex, hashes: Hashes, wanted: set[str],
+               runs: Found | None = None) -> Found:
+        """Per engine, its best holder's match; ``runs``: filled per engine with the tokens
+        confirmed by events and not learnt from usage within the match (each the best of its
+        holders), found by the match's own walk."""
         holders = index.holders_of(wanted)
         found: Found = {}
+        by_holder: dict[str, tuple[int, int]] | None = None if runs is None else {}
         for holder, (dev, oth) in index.match(hashes, self.clock(), self.p.group_idx,
-                                               holders).items():
+                                               holders, by_holder).items():
             ep = engine_of(holder)
             if (dev, oth) > found.get(ep, (0, 0)):
                 found[ep] = (dev, oth)
+        if runs is not None and by_holder:
+            for holder, (conf, unl) in by_holder.items():
+                old = runs.get(engine_of(holder), (0, 0))
+                runs[engine_of(holder)] = (max(old[0], conf), max(old[1], unl))
         return found
 
     def _learn_capacities(self, eps: Sequence[Endpoint]) -> None:
@@ -362,7 +373,9 @@ class PrefixCacheProducer(
                 hashes = self.prompt_hashes(req, tokens, self.events.block_sizes(self.p.group_idx),
                                             scoped=False)
                 state.put(_EVENT_HASHES, hashes)
-                precise = self._match(self.events, hashes, wanted)
+                runs: Found = {}
+                precise = self._match(self.events, hashes, wanted, runs)
+                state.put(_RUNS, runs)
                 shared = sum(self.events.match(hashes, self.clock(), self.p.group_idx,
                                                [SHARED_HOLDER]).get(SHARED_HOLDER, (0, 0)))
             if self.record is not None:
@@ -443,15 +456,13 @@ class PrefixCacheProducer(
             target = decision.target.id
             dev, oth = (state.get(_PREDICTED) or {}).get(target, (0, 0))
             size = self.events.block_size(target, self.p.group_idx)
-            hashes = state.get(_EVENT_HASHES)
             # the engine loads the shared tier's prefix beyond its own, and reports it cached;
             # the tier is known from (the store's) events, not learnt from usage
             shared = state.get(_SHARED) or 0
             predicted = max(dev + oth, shared)
-            confirmed = unlearned = 0
-            if hashes is not None:  # both are capped by the prediction: walked no further
-                confirmed, unlearned = self.events.provenance(hashes, target, self.p.group_idx,
-                                                              predicted)
+            # tokens of the match known from events / not learnt from usage, found by its walk
+            # (this dispatch's speculation changes neither within the predicted prefix)
+            confirmed, unlearned = (state.get(_RUNS) or {}).get(target, (0, 0))
             confirmed, unlearned = max(confirmed, shared), max(unlearned, shared)
             state.put(_CHECK, _Check(target, predicted, size, len(tokens), now,
                                      inexact is not None, min(confirmed, predicted),

@@ -114,13 +114,16 @@ class KvIndex(HolderTable):
         now: float,
         group_idx: int = 0,
         holders: Iterable[HolderId] | None = None,
+        runs: dict[HolderId, tuple[int, int]] | None = None,
     ) -> dict[HolderId, tuple[int, int]]:
         """Longest held prefix per holder: ``holder -> (device_tokens, other_tokens)``.
 
         ``hashes_by_size[bs]`` are the prompt's own hashes for block size ``bs``; each holder is
         matched with its own block size. ``device_tokens`` is the leading run held on the device
         tier; ``other_tokens`` what the longest held run adds beyond it. Holders without a match
-        are left out. Matched blocks are refreshed (see the module docstring).
+        are left out. Matched blocks are refreshed (see the module docstring). ``runs``
+        (event-updated mode): filled per matched holder with :meth:`confirmed` and
+        :meth:`unlearned` within the match, found by the same walk.
         """
         out: dict[HolderId, tuple[int, int]] = {}
         for hid in self._holders if holders is None else holders:
@@ -134,7 +137,9 @@ class KvIndex(HolderTable):
             if self.prefix_closed:
                 device = total = self._match_closed(holder, hashes, now)
             else:
-                device, total = self._match_one(holder, hashes, now)
+                device, total, conf, unl = self._match_one(holder, hashes, now)
+                if runs is not None and total:
+                    runs[hid] = (conf * size, unl * size)
             if total:
                 out[hid] = (device * size, (total - device) * size)
         return out
@@ -155,38 +160,6 @@ class KvIndex(HolderTable):
         Read-only."""
         return self._run(hashes_by_size, engine, group_idx,
                          lambda hold: not hold.tiers & LEARNED)
-
-    def provenance(
-        self, hashes_by_size: Mapping[int, Sequence[int]], engine: str, group_idx: int = 0,
-        limit_tokens: int | None = None,
-    ) -> tuple[int, int]:
-        """:meth:`confirmed` and :meth:`unlearned` in one pass, each at most ``limit_tokens``
-        (the walk stops there: a caller that caps both by a prediction walks no further)."""
-        confirmed = unlearned = 0
-        for hid, holder in self._holders.items():
-            if engine_of(hid) != engine:
-                continue
-            size = holder.block_sizes.get(group_idx, self.default_block_size)
-            hashes = hashes_by_size.get(size, ())
-            if limit_tokens is not None:
-                hashes = hashes[:limit_tokens // size]
-            get = holder.blocks.get
-            conf = run = 0
-            in_conf = in_run = True
-            for h in hashes:
-                hold = get(h)
-                if hold is None:
-                    break
-                if in_conf:
-                    in_conf = hold.ekey is not None
-                    conf += in_conf
-                if in_run:
-                    in_run = not hold.tiers & LEARNED
-                    run += in_run
-                if not (in_conf or in_run):
-                    break
-            confirmed, unlearned = max(confirmed, conf * size), max(unlearned, run * size)
-        return confirmed, unlearned
 
     def _run(self, hashes_by_size: Mapping[int, Sequence[int]], engine: str, group_idx: int,
              counts: Callable[[Hold], bool]) -> int:
@@ -226,11 +199,13 @@ class KvIndex(HolderTable):
         }
         return self.match(hashes, now, group_idx)
 
-    def _match_one(self, holder: Holder, hashes: Sequence[int], now: float) -> tuple[int, int]:
+    def _match_one(self, holder: Holder, hashes: Sequence[int],
+                   now: float) -> tuple[int, int, int, int]:
+        """(device, total, confirmed, unlearned) blocks of the longest held unexpired run."""
         blocks = holder.blocks
         get = blocks.get
-        device = total = 0
-        on_device = True
+        device = total = conf = unl = 0
+        on_device = in_conf = in_unl = True
         for h in hashes:
             hold = get(h)
             if hold is None:
@@ -243,9 +218,15 @@ class KvIndex(HolderTable):
                 on_device = False
             device += on_device
             total += 1
+            if in_conf:
+                in_conf = hold.ekey is not None
+                conf += in_conf
+            if in_unl:
+                in_unl = not hold.tiers & LEARNED
+                unl += in_unl
         if total:  # tail first: the root ends up most recent (a C-level loop over ~800 blocks)
             deque(map(blocks.move_to_end, reversed(hashes[:total])), maxlen=0)
-        return device, total
+        return device, total, conf, unl
 
     def _match_closed(self, holder: Holder, hashes: Sequence[int], now: float) -> int:
         """Blocks of the longest held, unexpired prefix, by binary search (prefix-closed mode:
