@@ -101,6 +101,23 @@ class Hit:
     supersedes: bool
 
 
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A rendered chat and its cached prefix: ``text[:start]`` is ``hit``'s; the cut after
+    which nothing is kept is ``split``; ``cached``: False when the cache is off."""
+
+    text: str
+    hit: Hit | None
+    start: int
+    split: int
+    cached: bool
+
+    @property
+    def new_chars(self) -> int:
+        """Characters left to encode."""
+        return len(self.text) - self.start
+
+
 def mark_key(text: str, end: int) -> tuple[int, int]:
     return (end, hash(text[max(0, end - TAIL_CHARS):end]))
 
@@ -258,9 +275,14 @@ class ChatTokenizer:
 
     def tokenize(self, messages: Messages, gen: bool, extra: Mapping[str, Any]) -> Sequence[int]:
         """The chat's ids (an ``array('I')`` when the cache is on)."""
+        return self.finish(self.plan(messages, gen, extra))
+
+    def plan(self, messages: Messages, gen: bool, extra: Mapping[str, Any]) -> Plan:
+        """Render the chat and find its cached prefix (cheap: run on the event loop); what is
+        left to encode is :meth:`finish`'s (``Plan.new_chars`` sizes it)."""
         text = self.backend.render_chat(messages, gen, extra)
         if self.cache is None or self._pattern is None:
-            return self.backend.encode(text, False)
+            return Plan(text, None, 0, 0, cached=False)
         # Cut before the generation prompt: the next turn has the assistant's reply there.
         end = len(text)
         if gen and self._gen_suffix and text.endswith(self._gen_suffix):
@@ -268,6 +290,13 @@ class ChatTokenizer:
         hit = self.cache.lookup(text, boundary_ends(text, self._pattern, end, 0, self._longest))
         start = 0 if hit is None else hit.end
         split = next(boundary_ends(text, self._pattern, end, start, self._longest), start)
+        return Plan(text, hit, start, split, cached=True)
+
+    def finish(self, plan: Plan) -> Sequence[int]:
+        """Encode what :meth:`plan` left (the text after the cached prefix), keep the new cut."""
+        text, hit, start, split = plan.text, plan.hit, plan.start, plan.split
+        if self.cache is None or not plan.cached:
+            return self.backend.encode(text, False)
         head = array("I") if hit is None else array("I", hit.ids)
         if split > start:
             head.extend(self.backend.encode(text[start:split], False))

@@ -6,7 +6,8 @@ Backends (plugins/tokenizer_backends.py): ``hf`` (``tokenizer.json`` via ``token
 jinja2 chat template, no transformers) or ``module`` (``tokenize``/``render_chat`` functions
 named by an entry point of group ``kvgate.tokenizers`` or a dotted path). A growing chat encodes
 only what its turn appended (plugins/chat_prefix.py: the longest cached rendering that is a
-prefix of its text). Long prompts are tokenized on a thread pool, a bounded number at a time.
+prefix of its text). Long work is tokenized on a thread pool, a bounded number at a time: for a
+cached chat, only the encoding of what is new, after the rendering and the lookup on the loop.
 Algorithm, params, costs: docs/plugins/tokenization.md.
 """
 
@@ -20,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeGuard
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -93,9 +94,11 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
         tokenizer: TokenizerSpec | None = None
         #: Per served model name.
         models: dict[str, TokenizerSpec] = Field(default_factory=dict)
-        #: Bodies of at least this many bytes are tokenized off the event loop. Measured cost is
-        #: 0.07-0.55 us per character (docs), so 4,096 chars is 0.3-2.2 ms of work, 3-20x a
-        #: thread hop (~0.1 ms); smaller prompts are cheaper to tokenize inline.
+        #: Work of at least this many characters is tokenized off the event loop: for a chat
+        #: served by the chat-prefix cache, the characters after its cached prefix (rendering
+        #: and the lookup run on the loop); else the body's bytes. Measured cost is 0.07-0.55 us
+        #: per character (docs), so 4,096 chars is 0.3-2.2 ms of work, 3-20x a thread hop
+        #: (~0.1 ms); less is cheaper to tokenize inline.
         offload_min_chars: int = Field(4_096, ge=0)
         #: Threads of the tokenization pool (HF tokenizers release the GIL while encoding).
         threads: int = Field(2, ge=1, le=64)
@@ -183,8 +186,15 @@ class Tokenizer(Plugin, DataProducer, Lifecycle):
             stats.no_tokenizer += 1
             return
         try:
-            if (chat.offloads and self._pool is not None
-                    and _text_size(req) >= self.p.offload_min_chars):
+            offload = chat.offloads and self._pool is not None
+            if offload and _cacheable(prompt):  # rendered and looked up here, encoded there
+                plan = chat.plan(list(prompt.messages), prompt.add_generation_prompt,
+                                 _template_extra(prompt))
+                if plan.new_chars >= self.p.offload_min_chars:
+                    ids = await self._offloaded(partial(chat.finish, plan))
+                else:
+                    ids = chat.finish(plan)
+            elif offload and _text_size(req) >= self.p.offload_min_chars:
                 ids = await self._offloaded(partial(_tokenize, chat, prompt))
             else:
                 ids = _tokenize(chat, prompt)
@@ -219,6 +229,12 @@ def _put(req: InferenceRequest, state: CycleState, ids: Sequence[int],
     req.prompt_token_estimate = len(ids)
     if inexact is not None:
         state.put(TOKEN_IDS_INEXACT, inexact)
+
+
+def _cacheable(prompt: TextPrompt | ChatPrompt) -> TypeGuard[ChatPrompt]:
+    """A chat served through the chat-prefix cache (:meth:`ChatTokenizer.tokenize`)."""
+    return isinstance(prompt, ChatPrompt) and not (
+        prompt.add_special_tokens or prompt.continue_final_message)
 
 
 def _tokenize(chat: ChatTokenizer, prompt: TextPrompt | ChatPrompt) -> Sequence[int]:

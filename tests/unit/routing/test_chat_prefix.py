@@ -194,3 +194,23 @@ async def test_offloading_is_bounded_in_flight(bpe_dir: Path) -> None:
     assert holders["chat_cache"]["bytes"] > 0 and "evictions" in holders["chat_cache"]
     assert holders["stats"]["waited"] == 2
     await plugin.stop()
+
+
+async def test_a_cached_turn_encodes_its_small_suffix_inline(bpe_dir: Path) -> None:
+    """The rendering and the lookup run on the loop; only a large encode goes to the pool: the
+    first turn of a 200 KB chat (a miss) is offloaded, the next (a short new message) is not."""
+    plugin = await _plugin(bpe_dir)
+    msgs = _big_chat(200_000)
+    chat = plugin.chat_tokenizer("m")
+    assert chat is not None
+    for turn in range(3):
+        req = request(Api.CHAT, {"messages": msgs})
+        req.raw_body = json.dumps({"messages": msgs}).encode()
+        state = CycleState()
+        await plugin.prepare(req, state, [])
+        ids = state.get(TOKEN_IDS)
+        assert ids is not None and list(ids) == _whole(chat.backend, msgs, True)
+        msgs = [*msgs, {"role": "assistant", "content": f"ok {turn}"},
+                {"role": "user", "content": "next step"}]
+    assert plugin.stats.offloaded == 1 and plugin.chat_cache.hits == 2
+    await plugin.stop()
