@@ -21,12 +21,8 @@ from pathlib import Path
 
 from bench import precise_scale
 from bench.systems import DEFAULT_TOKENIZER
+from kvgate.middleware.framework.types import Api, CycleState, Endpoint, RoutingDecision, Usage
 from kvgate.middleware.serving.requests import parse_request
-from kvgate.middleware.framework.types import Api
-from kvgate.middleware.framework.types import CycleState
-from kvgate.middleware.framework.types import Endpoint
-from kvgate.middleware.framework.types import RoutingDecision
-from kvgate.middleware.framework.types import Usage
 from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
 from kvgate.plugins.prefix.producer import PrefixCacheProducer
 from kvgate.plugins.prefix.tokenizer import Tokenizer

@@ -65,22 +65,19 @@ from kvgate.middleware.framework.types import (
     StateKey,
     Usage,
 )
-from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
+from kvgate.plugins.common.state import (
+    CACHE_SALT,
+    PREFIX_MATCH,
+    TOKEN_IDS,
+    TOKEN_IDS_INEXACT,
+    PrefixMatch,
+)
 from kvgate.plugins.prefix.events.health import IndexHealth
-from kvgate.plugins.prefix.index.index import HashingError
-from kvgate.plugins.prefix.index.index import KvIndex
-from kvgate.plugins.prefix.index.index import engine_of
-from kvgate.plugins.prefix.record_chains import EVENTS
-from kvgate.plugins.prefix.record_chains import ChainMemo
-from kvgate.plugins.prefix.shared_record import RecordShare
-from kvgate.plugins.prefix.shared_record import start_record_share
-from kvgate.plugins.prefix.shared_tier import SHARED_HOLDER
-from kvgate.plugins.prefix.shared_tier import fold_shared
-from kvgate.plugins.common.state import CACHE_SALT
-from kvgate.plugins.common.state import PREFIX_MATCH
-from kvgate.plugins.common.state import TOKEN_IDS
-from kvgate.plugins.common.state import TOKEN_IDS_INEXACT
-from kvgate.plugins.common.state import PrefixMatch
+from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
+from kvgate.plugins.prefix.index.index import HashingError, KvIndex, engine_of
+from kvgate.plugins.prefix.record_chains import EVENTS, ChainMemo
+from kvgate.plugins.prefix.shared_record import RecordShare, start_record_share
+from kvgate.plugins.prefix.shared_tier import SHARED_HOLDER, fold_shared
 
 #: No engine routed on KV events (the record-only match's ``precise_engines``).
 _NO_ENGINES: frozenset[EndpointId] = frozenset()
@@ -180,8 +177,8 @@ class PrefixCacheProducer(
         #: approximate / auto: lifetime of a record after the last request that used it, s.
         record_ttl_s: float = Field(600.0, gt=0)
         #: Bytes of recent prompts' token ids and hashes kept so that a prompt extending one of
-        #: them is hashed only past it (plugins/prefix/record_chains.py), per chain (the record's, the
-        #: KV-event index's); 32 MiB: ~160 agent prompts of 200 KiB; 0: off.
+        #: them is hashed only past it (plugins/prefix/record_chains.py), per chain (the
+        #: record's, the KV-event index's); 32 MiB: ~160 agent prompts of 200 KiB; 0: off.
         chain_memo_bytes: int = Field(32 * 1024 * 1024, ge=0)
         #: approximate / auto: a tenant's requests only match that tenant's records.
         scope_by_tenant: bool = True

@@ -5,10 +5,10 @@ whose first ~99 % was hashed a moment ago. This memo keeps, for recent prompts, 
 token ids and their chain, and computes a new prompt's chain from the remembered prompt it
 shares the most whole blocks with, hashing only the blocks after them, continuing the chain
 from the last common block's hash (each hash depends only on its parent and its block). Two
-chains: the gateway's record hash (:mod:`kvgate.plugins.prefix.record_hash`, :data:`RECORD`) and the KV-event
-index's hash in the engines' block layout with vLLM's extra keys (:mod:`kvgate.plugins.prefix.index.hashing`,
-:data:`EVENTS`). The result is the list the hash function computes on the whole prompt,
-whatever the memo holds (the tests compare them).
+chains: the gateway's record hash (:mod:`kvgate.plugins.prefix.record_hash`, :data:`RECORD`)
+and the KV-event index's hash in the engines' block layout with vLLM's extra keys
+(:mod:`kvgate.plugins.prefix.index.hashing`, :data:`EVENTS`). The result is the list the hash
+function computes on the whole prompt, whatever the memo holds (the tests compare them).
 
 Finding the remembered prompt:
 
@@ -44,8 +44,8 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from kvgate.plugins.prefix.index import hashing as kv_hashing
 from kvgate.plugins.prefix import record_hash
+from kvgate.plugins.prefix.index import hashing as kv_hashing
 
 #: Bytes a remembered hash costs (a Python int in a list: 32 B object + 8 B pointer).
 _HASH_BYTES = 40
@@ -92,8 +92,8 @@ class _RecordHash:
 
 
 class _EventHash:
-    """:mod:`kvgate.plugins.prefix.index.hashing` with vLLM's extra keys; scope ``(lora, cache_salt)``: the
-    adapter's name on every block, the salt on the first block only."""
+    """:mod:`kvgate.plugins.prefix.index.hashing` with vLLM's extra keys; scope
+    ``(lora, cache_salt)``: the adapter's name on every block, the salt on the first only."""
 
     def root(self, group_idx: int, scope: Scope) -> int:
         return kv_hashing.root_hash(group_idx)

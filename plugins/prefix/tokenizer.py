@@ -2,10 +2,10 @@
 
 Token-id prompts pass through; text prompts are encoded with special tokens (vLLM's completions
 default); chats are rendered by the chat template, then encoded without (vLLM's chat default).
-Backends (plugins/tokenizer_backends.py): ``hf`` (``tokenizer.json`` via ``tokenizers`` + a
+Backends (plugins/prefix/tokenizer_backends.py): ``hf`` (``tokenizer.json`` via ``tokenizers`` + a
 jinja2 chat template, no transformers) or ``module`` (``tokenize``/``render_chat`` functions
 named by an entry point of group ``kvgate.tokenizers`` or a dotted path). A growing chat encodes
-only what its turn appended (plugins/chat_prefix.py: the longest cached rendering that is a
+only what its turn appended (plugins/prefix/chat_prefix.py: the longest cached rendering that is a
 prefix of its text). Long work is tokenized on a thread pool, a bounded number at a time: for a
 cached chat, only the encoding of what is new, after the rendering and the lookup on the loop.
 Algorithm, params, costs: docs/plugins/tokenization.md.
@@ -35,7 +35,8 @@ from kvgate.middleware.framework.types import (
     TextPrompt,
     TokenPrompt,
 )
-from kvgate.plugins.chat_prefix import (
+from kvgate.plugins.common.state import TOKEN_IDS, TOKEN_IDS_INEXACT
+from kvgate.plugins.prefix.chat_prefix import (
     DEFAULT_MAX_BYTES,
     ChatCacheStats,
     ChatPrefixCache,
@@ -43,9 +44,7 @@ from kvgate.plugins.chat_prefix import (
     boundary_ends,
     last_boundary_end,
 )
-from kvgate.plugins.common.state import TOKEN_IDS
-from kvgate.plugins.common.state import TOKEN_IDS_INEXACT
-from kvgate.plugins.tokenizer_backends import (
+from kvgate.plugins.prefix.tokenizer_backends import (
     TOKENIZER_GROUP,
     HfBackend,
     Messages,

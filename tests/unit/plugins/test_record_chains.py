@@ -8,13 +8,10 @@ from array import array
 
 import pytest
 
-from kvgate.plugins.prefix.index import hashing as kv_hashing
 from kvgate.plugins.prefix import record_hash
+from kvgate.plugins.prefix.index import hashing as kv_hashing
 from kvgate.plugins.prefix.index.hashing import HashingError
-from kvgate.plugins.prefix.record_chains import EVENTS
-from kvgate.plugins.prefix.record_chains import RECORD
-from kvgate.plugins.prefix.record_chains import ChainHash
-from kvgate.plugins.prefix.record_chains import ChainMemo
+from kvgate.plugins.prefix.record_chains import EVENTS, RECORD, ChainHash, ChainMemo
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""Incremental chat tokenization (plugins/chat_prefix.py): always the ids of tokenizing the whole
+"""Incremental chat tokenization (plugins/prefix/chat_prefix.py): always the ids of tokenizing the whole
 rendered chat, on real tokenizers and templates; bounded; off the event loop."""
 
 from __future__ import annotations
@@ -12,17 +12,12 @@ from typing import Any
 import pytest
 
 from bench.tokenization import build_hf_folder, corpus
-from kvgate.engines.local.model import MARKER
-from kvgate.engines.local.model import model_dir
+from kvgate.engines.local.model import MARKER, model_dir
+from kvgate.middleware.framework.types import Api, CycleState
 from kvgate.middleware.observe.metrics import counter_holders
-from kvgate.middleware.framework.types import Api
-from kvgate.middleware.framework.types import CycleState
-from kvgate.plugins.chat_prefix import ChatPrefixCache
-from kvgate.plugins.chat_prefix import ChatTokenizer
 from kvgate.plugins.common.state import TOKEN_IDS
-from kvgate.plugins.prefix.tokenizer import HfBackend
-from kvgate.plugins.prefix.tokenizer import Tokenizer
-from kvgate.plugins.prefix.tokenizer import TokenizerBackend
+from kvgate.plugins.prefix.chat_prefix import ChatPrefixCache, ChatTokenizer
+from kvgate.plugins.prefix.tokenizer import HfBackend, Tokenizer, TokenizerBackend
 from tests.unit.routing.helpers import NoLookup, request
 
 Messages = list[dict[str, Any]]

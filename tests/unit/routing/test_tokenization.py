@@ -14,9 +14,7 @@ from tokenizers import Tokenizer as HfTokenizer
 from bench.tokenization import loop_ticks_while
 from kvgate.engines.sim.core import tokenizer as sim_tokenizer
 from kvgate.middleware.framework.errors import ConfigError
-from kvgate.middleware.framework.types import Api
-from kvgate.middleware.framework.types import CycleState
-from kvgate.middleware.framework.types import InferenceRequest
+from kvgate.middleware.framework.types import Api, CycleState, InferenceRequest
 from kvgate.plugins.common.state import TOKEN_IDS
 from kvgate.plugins.prefix.tokenizer import (
     ChatTokenizer,
@@ -331,7 +329,7 @@ def test_module_backend_rejects_objects_without_the_api() -> None:
 def test_module_found_through_the_entry_point_group(monkeypatch: pytest.MonkeyPatch) -> None:
     from importlib.metadata import EntryPoint
 
-    import kvgate.plugins.tokenizer_backends as tokenization
+    import kvgate.plugins.prefix.tokenizer_backends as tokenization
 
     def fake(group: str) -> list[EntryPoint]:
         assert group == "kvgate.tokenizers"

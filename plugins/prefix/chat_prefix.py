@@ -44,9 +44,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvgate.plugins.tokenizer_backends import Messages
-from kvgate.plugins.tokenizer_backends import TokenizerBackend
-from kvgate.plugins.tokenizer_backends import generation_suffix
+from kvgate.plugins.prefix.tokenizer_backends import Messages, TokenizerBackend, generation_suffix
 
 #: Characters before a cut hashed into its mark's key (tells sessions apart that have a cut at
 #: the same position; the text comparison decides).
