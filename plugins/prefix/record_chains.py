@@ -153,6 +153,8 @@ class ChainMemo:
         self.stats = ChainMemoStats()
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._first: dict[_Key, int] = {}
+        #: Remembered prompts per first block: none, and no prompt can be a prefix (no probing).
+        self._sharing: dict[_Key, int] = {}
         self._last: dict[_TailKey, int] = {}
         self._next = 0
 
@@ -204,6 +206,8 @@ class ChainMemo:
 
     def _find(self, raw: Raw, first: _Key, width: int, n_blocks: int) -> tuple[int | None, int]:
         """The remembered prompt to continue and the whole blocks it shares with ``raw``."""
+        if first not in self._sharing:  # a new first block: nothing remembered starts like it
+            return None, 0
         group, scope, size, _ = first
         get = self._last.get
         for j in range(n_blocks, max(0, n_blocks - MAX_PROBES), -1):
@@ -227,6 +231,7 @@ class ChainMemo:
         if old is not None:  # the same blocks again, or a prompt ending like it: replaced
             self._drop(old)
         self._first[entry.first] = key  # last one in wins; the previous stays findable by its end
+        self._sharing[entry.first] = self._sharing.get(entry.first, 0) + 1
         for tail in entry.last:
             self._last[tail] = key
         self._entries[key] = entry
@@ -243,6 +248,9 @@ class ChainMemo:
         self.stats.bytes -= entry.size
         if self._first.get(entry.first) == key:
             del self._first[entry.first]
+        left = self._sharing.pop(entry.first) - 1
+        if left:
+            self._sharing[entry.first] = left
         for tail in entry.last:
             if self._last.get(tail) == key:
                 del self._last[tail]
