@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import shlex
 import signal
@@ -56,6 +57,7 @@ from bench.systems import (
     KVGATE,
     KVGATE_PRECISE,
     MODEL,
+    TOKENIZER_ENV,
     catalogue,
     launched,
 )
@@ -350,8 +352,8 @@ def _median_result(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_options(argv)
-    import os
-    os.environ.setdefault("KVGATE_BENCH_TOKENIZER", str(opts.model_dir))
+    commit = git_commit()  # the tree the gateways start from (not edits made while it runs)
+    os.environ.setdefault(TOKENIZER_ENV, str(opts.model_dir))
     cfg = RunConfig(rate=0, concurrency=opts.sessions, duration_s=0, warmup_s=0, trials=1,
                     venv_root=Path(".kvgate/bench-venvs"),
                     log_dir=opts.out.parent / f"{opts.out.stem}-logs")
@@ -369,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = [_median_result(runs[s]) for s in opts.systems]
     tokens = final_tokens(opts)
     text = report(opts, results, tokens)
-    doc = {"benchmark": "precise_scale", "commit": git_commit(),
+    doc = {"benchmark": "precise_scale", "commit": commit,
            "command": shlex.join([sys.executable, "-m", "bench.precise_scale",
                                   *(sys.argv[1:] if argv is None else argv)]),
            "machine": harness.machine_info(), "options": {
@@ -386,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(profile.top_table(r["profile"], rows=25))
             print(f"\n## {r['system']} profile (py-spy, inclusive)\n")
             print(profile.top_table({"top_self": r["profile"]["top_inclusive"]}, rows=25))
-    print(f"\nJSON: {opts.out}")
+    print(f"\nkvgate at {commit}. JSON: {opts.out}")
     return 0
 
 
