@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 from bench import precise_scale
@@ -17,7 +18,7 @@ def test_conversations_are_seeded_and_grow_by_whole_turns() -> None:
     bodies = [[c.next_body(opts) for _ in range(4)] for c in first]
     assert bodies == [[c.next_body(opts) for _ in range(4)] for c in again]
     for turns in bodies:
-        for before, after in zip(turns, turns[1:], strict=False):
+        for before, after in itertools.pairwise(turns):
             assert after.startswith(before[:-2])  # the previous messages, then new ones
         msgs = json.loads(turns[-1])["messages"]
         assert [m["role"] for m in msgs] == ["system", "user"] + ["assistant", "user"] * 3
