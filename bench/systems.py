@@ -44,6 +44,8 @@ PASS_H1 = "passthrough-h1"
 #: the engines' block layout and looked up in the KV-event index, as with real engines.
 KVGATE_PRECISE = "kvgate-precise"
 TOKENIZER_ENV = "KVGATE_BENCH_TOKENIZER"
+#: :data:`KVGATE_PRECISE` from the ``KVGATE_BASE_TREE`` checkout: its before/after in one run.
+KVGATE_BASE_PRECISE = "kvgate-base-precise"
 DEFAULT_TOKENIZER = Path.home() / ".cache" / "kvgate" / "models" / "tiny-llama-0"
 #: The cache-aware default's essential work in one flat function on kvgate's own server,
 #: client and primitives (bench/flat_bound.py): a lower bound for a Python gateway.
@@ -97,12 +99,22 @@ def _kvgate_uvicorn(upstream: str, port: int, aux: int, root: Path) -> list[str]
     return [*_kvgate(upstream, port, aux, root), "--http", "uvicorn"]
 
 
-def _kvgate_base(upstream: str, port: int, aux: int, root: Path) -> list[str]:
+def _base_env() -> list[str]:
     tree = os.environ.get(BASE_TREE_ENV)
-    if not tree or not (Path(tree) / "middleware" / "cli.py").is_file():
+    root = Path(tree or ".")
+    if not tree or not any(p.is_file() for p in (root / "kvgate" / "__init__.py",
+                                                 root / "middleware" / "cli.py")):
         raise SystemExit(f"{KVGATE_BASE}: set {BASE_TREE_ENV} to a kvgate checkout "
                          "(git worktree add /tmp/kvgate-base <commit>)")
-    return ["env", f"PYTHONPATH={Path(tree).resolve()}", *_kvgate(upstream, port, aux, root)]
+    return ["env", f"PYTHONPATH={Path(tree).resolve()}"]
+
+
+def _kvgate_base(upstream: str, port: int, aux: int, root: Path) -> list[str]:
+    return [*_base_env(), *_kvgate(upstream, port, aux, root)]
+
+
+def _kvgate_base_precise(upstream: str, port: int, aux: int, root: Path) -> list[str]:
+    return [*_base_env(), *_kvgate_precise(upstream, port, aux, root)]
 
 
 def _vllm_router_with(policy: str) -> Argv:
@@ -151,6 +163,8 @@ def catalogue() -> dict[str, System]:
                own_workdir=True),
         System(KVGATE_PRECISE, _kvgate_precise, start_timeout_s=120.0, ready_path="/v1/models",
                own_workdir=True),
+        System(KVGATE_BASE_PRECISE, _kvgate_base_precise, start_timeout_s=120.0,
+               ready_path="/v1/models", own_workdir=True),
         System(KVGATE_UVICORN, _kvgate_uvicorn, start_timeout_s=120.0, ready_path="/v1/models",
                own_workdir=True),
         System(KVGATE_BASE, _kvgate_base, start_timeout_s=120.0, ready_path="/v1/models",
