@@ -44,7 +44,7 @@ Nothing here does I/O; the index is single-threaded (owned by the event loop).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvgate.plugins.prefix.events.removals import RemovalLog
 from kvgate.plugins.prefix.index.hashing import (
@@ -122,8 +122,11 @@ class KvIndex(HolderTable):
         matched with its own block size. ``device_tokens`` is the leading run held on the device
         tier; ``other_tokens`` what the longest held run adds beyond it. Holders without a match
         are left out. Matched blocks are refreshed (see the module docstring). ``runs``
-        (event-updated mode): filled per matched holder with :meth:`confirmed` and
-        :meth:`unlearned` within the match, found by the same walk.
+        (event-updated mode): filled per matched holder with ``(confirmed, unlearned)`` tokens
+        within the match, found by the same walk: the leading run held *from events* (a
+        speculative entry, which only guesses what a dispatched request will store, ends it),
+        and the leading run *not* learnt from reported cached tokens (events, resolved
+        ancestors, speculation: what the index knew on its own).
         """
         out: dict[HolderId, tuple[int, int]] = {}
         for hid in self._holders if holders is None else holders:
@@ -143,39 +146,6 @@ class KvIndex(HolderTable):
             if total:
                 out[hid] = (device * size, (total - device) * size)
         return out
-
-    def confirmed(
-        self, hashes_by_size: Mapping[int, Sequence[int]], engine: str, group_idx: int = 0,
-    ) -> int:
-        """Tokens of the longest prefix an engine's holders hold *from its events* (speculative
-        entries, which only guess what a dispatched request will store, end the run). Read-only:
-        nothing is refreshed or expired."""
-        return self._run(hashes_by_size, engine, group_idx, lambda hold: hold.ekey is not None)
-
-    def unlearned(
-        self, hashes_by_size: Mapping[int, Sequence[int]], engine: str, group_idx: int = 0,
-    ) -> int:
-        """Tokens of the longest prefix held by entries *not* learnt from reported cached
-        tokens (events, resolved ancestors, speculation): what the index knew on its own.
-        Read-only."""
-        return self._run(hashes_by_size, engine, group_idx,
-                         lambda hold: not hold.tiers & LEARNED)
-
-    def _run(self, hashes_by_size: Mapping[int, Sequence[int]], engine: str, group_idx: int,
-             counts: Callable[[Hold], bool]) -> int:
-        best = 0
-        for hid, holder in self._holders.items():
-            if engine_of(hid) != engine:
-                continue
-            size = holder.block_sizes.get(group_idx, self.default_block_size)
-            run = 0
-            for h in hashes_by_size.get(size, ()):
-                hold = holder.blocks.get(h)
-                if hold is None or not counts(hold):
-                    break
-                run += 1
-            best = max(best, run * size)
-        return best
 
     def match_tokens(
         self,
