@@ -137,6 +137,10 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
         prediction_min_checks: int = Field(20, ge=1)
         #: Least share of predictions within one block of the engine's report for ``exact``.
         prediction_agreement: float = Field(0.8, ge=0, le=1)
+        #: Hysteresis: the share a new window needs to clear a disagreement (>= agreement),
+        #: and seconds a cleared disagreement or silence holds the state before ``exact``.
+        prediction_recover_agreement: float = Field(0.9, ge=0, le=1)
+        recover_hold_s: float = Field(10.0, ge=0)
         #: Seconds a replay socket has to answer completely.
         replay_timeout_s: float = Field(2.0, gt=0)
         #: Batches held per (engine, rank) while its gap is replayed (past it: reset).
@@ -161,6 +165,9 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
             window=params.prediction_window,
             min_checks=min(params.prediction_min_checks, params.prediction_window),
             agreement=params.prediction_agreement,
+            recover_agreement=max(params.prediction_agreement,
+                                  params.prediction_recover_agreement),
+            recover_hold_s=params.recover_hold_s,
         ))
         self._links: dict[str, _Link] = {}
         self._seq: dict[tuple[str, int], int] = {}

@@ -24,6 +24,7 @@ from tests.unit.routing.helpers import (
     Lookup,
     NoLookup,
     blocks,
+    cleared,
     frames,
     removed,
     request,
@@ -177,6 +178,10 @@ async def test_disagreeing_predictions_fall_back_to_the_record_and_recover() -> 
     sub.handle_frames(frames("kv@e0", 0, [stored([1, 2, 3, 4], None, toks, BS)]))
     for _ in range(5):  # events flow again and a new window agrees
         await _serve(producer, toks, "e0", cached=3 * BS)
+    assert sub.health_state.state("e0") is IndexState.APPROXIMATE  # hysteresis: held
+    assert "recovering" in sub.health_state.reason("e0")
+    clock.now += 10  # recover_hold_s clear
+    sub.health_state.tick()
     assert sub.health_state.state("e0") is IndexState.EXACT
 
 
@@ -308,3 +313,37 @@ async def test_a_miss_on_blocks_evicted_in_flight_is_not_held_against_the_index(
     await producer.on_usage(req, state, EPS[0], Usage(len(toks) + 1, 1, BS))
     assert sub.health_state.results("e0")[result] == 1
     assert sum(sub.health_state.results("e0").values()) == 1
+
+
+#: How an engine's cache empties, as its KV events tell it: vLLM publishes AllBlocksCleared
+#: from ``BlockPool.reset_prefix_cache`` (``POST /reset_prefix_cache``, and ``sleep`` at level
+#: >= 1 through ``EngineCore._reset_caches``); a restarted engine's sequence starts over at 0.
+RESETS = [
+    ("reset_prefix_cache or sleep (AllBlocksCleared)", lambda seq: [cleared()]),
+    ("restart (sequence back to 0)", lambda seq: None),
+]
+
+
+@pytest.mark.parametrize(("name", "events"), RESETS, ids=[r[0] for r in RESETS])
+async def test_an_engine_cache_reset_clears_what_routing_knows_of_it(name: str,
+                                                                    events: Any) -> None:
+    """Everything the producer routes an engine on goes with its cache: the event entries,
+    the speculative entries of a request just dispatched there, and what its reported
+    cached_tokens taught; the other engine's entries stay."""
+    clock = Clock()
+    sub = _sub(clock)
+    producer = _producer(sub, clock, mode="precise")
+    toks, taught = blocks(11, 4, BS), blocks(12, 4, BS)
+    for engine in ("kv@e0", "kv@e1"):
+        sub.handle_frames(frames(engine, 0, [stored([1, 2, 3, 4], None, toks, BS)]))
+    await _serve(producer, taught, "e0", cached=3 * BS)  # learnt: 3 blocks no event announced
+    await _serve(producer, toks + blocks(13, 2, BS), "e0", cached=4 * BS)  # speculative: 6
+    before = await _serve(producer, toks + blocks(13, 2, BS), "e1")
+    assert (before.device.get("e0"), before.device.get("e1")) == (6 * BS, 4 * BS)
+    batch = events(1)
+    if batch is None:  # the new process publishes its first batch with seq 0
+        batch = [stored([9], None, blocks(14, 1, BS), BS)]
+    sub.handle_frames(frames("kv@e0", 0 if events(1) is None else 1, batch))
+    after = await _serve(producer, toks + blocks(13, 2, BS), "e1")
+    assert (after.device.get("e0"), after.device.get("e1")) == (None, 6 * BS)
+    assert (await _serve(producer, taught, "e1")).device.get("e0") is None
