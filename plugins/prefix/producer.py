@@ -527,7 +527,8 @@ class PrefixCacheProducer(
         self.states.prediction(target.id, judged, reported, size,
                                tokens_agree=check.prompt_tokens == usage.prompt_tokens,
                                confirmed=min(check.confirmed, cap),
-                               evicted=self._evicted(state, check, reported, judged))
+                               evicted=self._evicted(state, check, reported, judged),
+                               recheck=lambda: self._evicted(state, check, reported, judged))
         if check.prompt_tokens == usage.prompt_tokens:
             self._learn(state, target.id, reported, size)
 

@@ -80,6 +80,9 @@ class HealthParams:
     #: before the engine is ``exact`` again; definitive facts (a gap filled, exact ids, the
     #: unknown topics' own hold) clear at once.
     recover_hold_s: float = 10.0
+    #: Seconds an unexplained ``over`` waits for the engine's next event batch before it is
+    #: judged (the removals of the step that admitted the request may trail its usage).
+    settle_s: float = 2.0
     #: Mode ``auto``: seconds ``degraded`` lasts before it is reported as ``approximate``.
     fallback_after_s: float = 10.0
 
@@ -101,6 +104,9 @@ class _Engine:
     bad_predictions: str | None = None
     #: Hysteresis: a judged cause cleared; exact again at ``recovering[0]`` (monotonic).
     recovering: tuple[float, str] | None = None
+    #: ``over`` results awaiting the engine's next event batch: (deadline, whether the engine
+    #: removed the blocks after the dispatch, tokens_agree); at most ``window``.
+    pending: list[tuple[float, Callable[[], bool], bool]] = field(default_factory=list)
     results: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESULTS, 0))
     changes: dict[str, int] = field(default_factory=lambda: {s.value: 0 for s in IndexState})
 
@@ -257,10 +263,11 @@ class IndexHealth:
 
     def prediction(self, engine: str, predicted: int, reported: int, block_size: int,
                    tokens_agree: bool, confirmed: int | None = None,
-                   evicted: bool = False) -> str:
+                   evicted: bool = False, recheck: Callable[[], bool] | None = None) -> str:
         """Record one predicted-vs-reported comparison; returns its result name (``confirmed``:
         the part of ``predicted`` known from the engine's events; None: all of it;
-        ``evicted``: the engine's events removed a block of the difference after dispatch)."""
+        ``evicted``: the engine's events removed a block of the difference after dispatch;
+        ``recheck``: asks that again, for an ``over`` judged at the next batch: ``pending``)."""
         rec = self._engines.get(engine)
         diff = predicted - reported
         result = "within_block" if abs(diff) <= block_size else "over" if diff > 0 else "under"
@@ -271,6 +278,22 @@ class IndexHealth:
             result = "evicted"  # the index was right when it routed: not judged (kv_removals)
         if rec is None:
             return result
+        if result == "over" and recheck is not None and len(rec.pending) < self.p.window:
+            rec.pending.append((self.clock() + self.p.settle_s, recheck, tokens_agree))
+            return "pending"
+        return self._record(engine, rec, result, tokens_agree)
+
+    def settle(self, engine: str) -> None:
+        """A batch of ``engine``'s events was applied: judge its pending ``over`` results
+        (``evicted`` when the batch removed their blocks, else ``over``)."""
+        rec = self._engines.get(engine)
+        if rec is None or not rec.pending:
+            return
+        pending, rec.pending = rec.pending, []
+        for _, recheck, tokens_agree in pending:
+            self._record(engine, rec, "evicted" if recheck() else "over", tokens_agree)
+
+    def _record(self, engine: str, rec: _Engine, result: str, tokens_agree: bool) -> str:
         rec.results[result] += 1
         if result in ("speculative", "evicted"):
             return result
@@ -310,6 +333,8 @@ class IndexHealth:
         """Re-evaluate time-based causes (silence, hold expiry, fallback) for every engine."""
         now = self.clock()
         for name, rec in self._engines.items():
+            if rec.pending and rec.pending[0][0] <= now:  # no batch came: judged as they are
+                self.settle(name)
             self._evaluate(name, rec, now)
 
     def _cause(self, rec: _Engine, now: float) -> str | None:

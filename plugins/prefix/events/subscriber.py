@@ -69,7 +69,7 @@ from kvgate.plugins.prefix.events.wire import (
     offset_port,
     topic_engine,
 )
-from kvgate.plugins.prefix.index.index import HashingError, KvIndex, holder_id
+from kvgate.plugins.prefix.index.index import HashingError, KvIndex, engine_of, holder_id
 from kvgate.plugins.prefix.shared_tier import holder_for
 
 __all__ = [
@@ -314,6 +314,7 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
             return
         self.health_state.event(engine)
         self._accept(engine, batch)
+        self.health_state.settle(engine)  # overs waiting for this batch's removals
 
     def _attribute(self, topic: str) -> str | None:
         engine = topic_engine(topic, self.p.topic_prefix)
@@ -370,6 +371,7 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
             log.info("kv events: %s restarted (seq %d after %d); its entries were reset",
                      holder, batch.seq, last)
             self.index.reset(holder)
+            self.index.removals.cleared(engine)
         self._apply_batch(engine, batch)
 
     def _apply_batch(self, engine: str, batch: EventBatch) -> None:
@@ -402,6 +404,7 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
             )
         else:
             self.index.reset(holder)
+            self.index.removals.cleared(engine_of(holder))
         self.stats.events_applied[type(event).__name__] += 1
 
     # -- gap filling ---------------------------------------------------------------------------

@@ -133,6 +133,8 @@ async def test_prediction_against_reported_cached_tokens(
         sub.handle_frames(frames("kv@e0", 0, [stored(list(range(1, held + 1)), None,
                                                       toks[: held * BS], BS)]))
     await _serve(producer, toks, "e0", cached)
+    clock.now += 2  # an unexplained over waits settle_s for the engine's next batch
+    sub.health_state.tick()
     assert sub.health_state.results("e0")[result] == 1
     assert sum(sub.health_state.results("e0").values()) == 1
 
@@ -288,15 +290,25 @@ async def test_speculation_lasts_past_the_end_of_a_long_request() -> None:
     assert "e0" not in dict(late.device)  # no event ever came: it lapses 2 s after the end
 
 
-@pytest.mark.parametrize(("removed_in_flight", "result"), [
-    ([3, 2], "evicted"),  # the engine evicted predicted blocks while the request was in flight
-    ([], "over"),  # nothing removed: the index itself was wrong
+OTHER_BLOCK = stored([9], None, blocks(8, 1, BS), BS)
+
+
+@pytest.mark.parametrize(("removed_in_flight", "after_usage", "result"), [
+    ([removed([3]), removed([2])], False, "evicted"),  # evicted while the request was in flight
+    ([removed([3]), removed([2])], True, "evicted"),  # ... their batch trailing the usage
+    ([OTHER_BLOCK], True, "over"),  # the next batch removed nothing: the index was wrong
+    ([], False, "over"),  # no batch at all: judged after settle_s
+    # vLLM publishes a reset after its next step: on an idle engine, the step of the request
+    # routed on the index from before it (seen on a real engine: after the usage)
+    ([cleared(), OTHER_BLOCK], False, "evicted"),
+    ([cleared(), OTHER_BLOCK], True, "evicted"),
 ])
 async def test_a_miss_on_blocks_evicted_in_flight_is_not_held_against_the_index(
-        removed_in_flight: list[int], result: str) -> None:
+        removed_in_flight: list[Any], after_usage: bool, result: str) -> None:
     """Under KV pressure the engine may evict blocks between routing and admission; their
     ``BlockRemoved`` arrives after the dispatch. Such an ``over`` is counted as ``evicted`` and
-    left out of the agreement window, so a pressured engine's index state does not flap."""
+    left out of the agreement window, so a pressured engine's index state does not flap. The
+    same for a cache reset (``AllBlocksCleared``) that arrives after the dispatch."""
     clock = Clock()
     sub = _sub(clock)
     producer = _producer(sub, clock, mode="precise", speculative_ttl_s=0)
@@ -308,9 +320,14 @@ async def test_a_miss_on_blocks_evicted_in_flight_is_not_held_against_the_index(
     await producer.prepare(req, state, EPS)
     assert state.require(PREFIX_MATCH).device == {"e0": 3 * BS}
     await producer.before_dispatch(req, state, RoutingDecision(target=EPS[0]))
-    if removed_in_flight:
-        sub.handle_frames(frames("kv@e0", 1, [removed([h]) for h in removed_in_flight]))
+    if removed_in_flight and not after_usage:
+        sub.handle_frames(frames("kv@e0", 1, removed_in_flight))
     await producer.on_usage(req, state, EPS[0], Usage(len(toks) + 1, 1, BS))
+    if removed_in_flight and after_usage:  # an over waits for the engine's next batch
+        assert sum(sub.health_state.results("e0").values()) == 0
+        sub.handle_frames(frames("kv@e0", 1, removed_in_flight))
+    clock.now += 2
+    sub.health_state.tick()
     assert sub.health_state.results("e0")[result] == 1
     assert sum(sub.health_state.results("e0").values()) == 1
 
