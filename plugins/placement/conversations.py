@@ -5,9 +5,17 @@ an exact prefix of the new one. The prefix-cache producer hashes every prompt in
 full-block hashes (``PROMPT_CHAIN``); a prompt of ``L`` tokens is remembered under the hash of
 its last full block ``L // B`` together with ``L`` and a hash of its last ``L mod B`` tokens.
 A later prompt whose chain holds that hash at the same position and whose tokens there end the
-same way continues that conversation. Two sessions sharing a system prompt (or a first
+same way continues that conversation. The last ``slack`` = 8 tokens of a prompt are left out of
+what is remembered: they hold the chat template's generation prompt, whose last token the next
+turn's tokenization merges with the reply (Llama 3's ``<|end_header_id|>\n\n``: the ``\n\n``
+becomes two tokens before the reply's text), so a full prompt is never a token prefix of its
+next turn. Two sessions sharing a system prompt (or a first
 message's first blocks) are told apart by the partial tail: a different message after the
-common blocks hashes differently.
+common blocks hashes differently, and a remembered prompt is continued once (it is forgotten when
+its next turn is remembered): two sessions that both extend it are never both taken for its
+conversation. A first message shorter than the template's few tokens after it (~3 tokens with
+Llama 3's template) leaves nothing of its own in what is remembered; such a session is told
+apart only by that rule.
 
 What the placement does with it is what it does with a session header: the conversation's own
 recent insertions are left out of its engine's pressure (its growth evicts nothing it wants
@@ -42,6 +50,7 @@ class Turn:
     total: float
     length: int
     tail: int
+    key: int  # the hash it is remembered under
 
 
 def tail_hash(tokens: Sequence[int], start: int, end: int) -> int:
@@ -51,9 +60,10 @@ def tail_hash(tokens: Sequence[int], start: int, end: int) -> int:
 class Conversations:
     """Recent prompts by the hash of their last full block (see the module docstring)."""
 
-    def __init__(self, max_entries: int, max_lookback: int = 2048) -> None:
+    def __init__(self, max_entries: int, max_lookback: int = 2048, slack: int = 8) -> None:
         self.max_entries = max_entries
         self.max_lookback = max_lookback
+        self.slack = slack
         self._turns: OrderedDict[int, Turn] = OrderedDict()
         self.found = 0  # prompts recognised as a later turn
         self.evicted = 0
@@ -82,16 +92,22 @@ class Conversations:
             inserted: float, total: float, half_life: float, previous: Turn | None) -> None:
         """Remember ``tokens`` sent to ``engine``, inserting ``inserted`` tokens there (fleet
         counter ``total`` after them); its ``previous`` turn's insertions carry over when it
-        went to the same engine (a conversation that moved starts afresh)."""
-        n = len(tokens) // block
-        if n == 0 or n > len(chain):
+        went to the same engine (a conversation that moved starts afresh), and the previous
+        turn is forgotten: a remembered prompt is continued once, so two sessions that share
+        what it holds are never both taken for its conversation."""
+        length = len(tokens) - self.slack
+        n = length // block
+        if n <= 0 or n > len(chain):
             return
         value = inserted
-        if previous is not None and previous.engine == engine:
-            value += previous.inserted * math.exp2(-(total - previous.total) / half_life)
+        if previous is not None:
+            if self._turns.get(previous.key) is previous:
+                del self._turns[previous.key]
+            if previous.engine == engine:
+                value += previous.inserted * math.exp2(-(total - previous.total) / half_life)
         key = chain[n - 1]
-        self._turns[key] = Turn(engine, value, total, len(tokens),
-                                tail_hash(tokens, n * block, len(tokens)))
+        self._turns[key] = Turn(engine, value, total, length,
+                                tail_hash(tokens, n * block, length), key)
         self._turns.move_to_end(key)
         while len(self._turns) > self.max_entries:
             self._turns.popitem(last=False)

@@ -39,8 +39,9 @@ def _turns(first: int, *grow: int, start: int = 10_000) -> list[list[int]]:
 
 A = _turns(37, 70, 301)  # partial tails: 37 and 107 tokens past the system prompt
 OTHER = _turns(37, start=50_000)  # another session: same system prompt, another message
-SAME_START = [[*A[0][:-5], 7, 7, 7, 7, 7]]  # same first blocks, another partial tail
-ALIGNED = _turns(2 * B, 3 * B, start=90_000)  # prompts ending on a block boundary
+SAME_START = [[*A[0][:-12], *[7] * 12]]  # same first blocks, another partial tail
+#: remembered prompts (all but the last ``slack`` = 8 tokens) ending on a block boundary
+ALIGNED = _turns(2 * B + 8, 3 * B, start=90_000)
 
 # (case, prompts remembered, prompt looked up, index of the expected remembered prompt or None)
 LOOKUPS = [
@@ -52,6 +53,8 @@ LOOKUPS = [
     ("prompts ending on a block boundary", [ALIGNED[0]], ALIGNED[1], 0),
     ("the same prompt again (a retry) is its own earlier turn", [A[1]], A[1], 0),
     ("a shorter prompt never matches a longer one", [A[1]], A[0], None),
+    ("the template's last tokens may retokenize: the last 8 are not compared",
+     [A[0]], [*A[0][:-3], 5, 5, 5, *A[1][len(A[0]):]], 0),
 ]
 
 
@@ -90,7 +93,19 @@ def test_own_insertions_carry_over_on_the_same_engine_only() -> None:
     third = conv.previous(A[2] + [1], B, _chain(A[2] + [1]))
     assert third is not None and (third.engine, third.inserted) == ("e1", 300.0)
     conv.forget_engine("e1")
-    assert conv.previous(A[2] + [1], B, _chain(A[2] + [1])) is not None  # A[1] on e0 still
+    assert len(conv) == 0  # A[0] and A[1] were continued: each is remembered until then
+
+
+def test_a_remembered_prompt_is_continued_once() -> None:
+    """Two sessions that both extend one remembered prompt (it holds only what they share):
+    the first is taken for its conversation, the second is a new one."""
+    conv = Conversations(max_entries=10)
+    conv.add(A[0], B, _chain(A[0]), "e0", 1.0, 0.0, 1000.0, None)
+    first = conv.previous(A[1], B, _chain(A[1]))
+    assert first is not None
+    conv.add(A[1], B, _chain(A[1]), "e0", 1.0, 0.0, 1000.0, first)
+    fork = [*A[0], *range(70_000, 70_100)]
+    assert conv.previous(fork, B, _chain(fork)) is None
 
 
 def _run(coro: Coroutine[Any, Any, None]) -> None:
@@ -134,7 +149,7 @@ def test_a_conversation_without_headers_is_not_pushed_off_by_its_own_growth() ->
     assert _best(s, stranger, {"e0": len(SYSTEM), "e1": 0}) == "e1"
     text = generate_latest(_registry(s)).decode()
     assert "kvgate_placement_conversation_turns_found_total 3.0" in text
-    assert "kvgate_placement_conversations 3.0" in text
+    assert "kvgate_placement_conversations 1.0" in text  # each turn replaces the last
 
 
 def _registry(s: KvPlacementScorer) -> CollectorRegistry:
