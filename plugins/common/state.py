@@ -61,5 +61,5 @@ CACHE_SALT: StateKey[str] = StateKey("cache-salt")
 #: each depending on every token before it): a later turn of a conversation holds its earlier
 #: prompt's hashes at the same positions. Produced by the prefix-cache producer (the hashes it
 #: computes anyway); the placement scorer recognises conversations without session headers by
-#: it (plugins/conversations.py). Absent: no producer, or the prompt could not be hashed.
+#: it (plugins/placement/conversations.py). Absent: no producer, or the prompt could not be hashed.
 PROMPT_CHAIN: StateKey[tuple[int, Sequence[int]]] = StateKey("prompt-chain")

@@ -349,8 +349,8 @@ class KvPlacementScorer(
             self._remember(state, target, inserted[target], half_life)
 
     def _previous(self, state: CycleState) -> Turn | None:
-        """The earlier turn a request without session header continues (plugins/conversations.py),
-        noted for the dispatch hook."""
+        """The earlier turn a request without session header continues
+        (plugins/placement/conversations.py), noted for the dispatch hook."""
         chain, tokens = state.get(PROMPT_CHAIN), state.get(TOKEN_IDS)
         if chain is None or tokens is None:
             return None

@@ -20,12 +20,12 @@ import httpx
 import pytest
 
 from bench.kv_steady import DEV_MODE_ENV
-from engines.local.fleet import local_fleet
-from engines.local.launcher import LocalEngine
-from engines.local.model import SERVED_NAME
-from middleware.app import create_app
-from middleware.config import parse_config
-from plugins.kv_events import KvEventsSubscriber
+from kvgate.engines.local.fleet import local_fleet
+from kvgate.engines.local.launcher import LocalEngine
+from kvgate.engines.local.model import SERVED_NAME
+from kvgate.middleware.app import create_app
+from kvgate.middleware.framework.composition.config import parse_config
+from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
 
 pytestmark = pytest.mark.e2e
 
