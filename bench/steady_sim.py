@@ -48,6 +48,7 @@ from kvgate.middleware.framework.types import (
 )
 from kvgate.plugins.common.state import (
     PREFIX_MATCH,
+    PROMPT_CHAIN,
     SESSION_KEY,
     SESSION_PIN,
     TOKEN_IDS,
@@ -62,17 +63,33 @@ BLOCK = 128
 
 
 class Engine:
-    """One LRU cache of block ids and the prefill it computed."""
+    """One vLLM prefix cache of ``capacity_blocks`` blocks and the prefill it computed.
+
+    vLLM's semantics (engine venv ``vllm/v1/core``), which decide what a router can still find:
+
+    * a hit is the longest run of leading full blocks present, at most ``(prompt - 1) // BLOCK``
+      (the last prompt token is always recomputed);
+    * every block past the hit is computed into a *newly allocated* block, even when a copy of
+      it is still cached behind a missing one (``block_pool.py``: "We currently don't
+      de-duplicate the blocks in the cache"); each allocation evicts the least recently freed
+      cached block;
+    * a finished request's blocks are freed in *reverse* order (``single_type_kv_cache_manager``
+      ``free``: ``free_blocks(reversed(...))``), so a conversation is evicted from its tail and
+      its head (the shared prompt, the oldest turns) last.
+
+    Entries are (block id, copy) pairs, least recently freed first."""
 
     def __init__(self, capacity_blocks: int) -> None:
         self.capacity = capacity_blocks
-        self.cache: OrderedDict[int, None] = OrderedDict()
+        self.cache: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self.copies: dict[int, list[int]] = {}  # block id -> copies cached
         self.prefill = 0
+        self._next = 0
 
     def held(self, blocks: Sequence[int], prompt: int) -> int:
         n = 0
         for h in blocks[: (prompt - 1) // BLOCK]:
-            if h not in self.cache:
+            if h not in self.copies:
                 break
             n += 1
         return n * BLOCK
@@ -80,15 +97,28 @@ class Engine:
     def serve(self, req: Request) -> int:
         hit = self.held(req.blocks, req.prompt)
         self.prefill += req.prompt - hit
-        cache = self.cache
-        for h in req.after:
-            if h in cache:
-                cache.move_to_end(h)
-            else:
-                cache[h] = None
-                if len(cache) > self.capacity:
-                    cache.popitem(last=False)
+        hit_blocks = hit // BLOCK
+        in_use: list[tuple[int, int]] = []
+        for h in req.after[:hit_blocks]:  # referenced: out of the free queue while running
+            key = (h, self.copies[h][0])
+            del self.cache[key]
+            in_use.append(key)
+        for h in req.after[hit_blocks:]:
+            while self.cache and len(self.cache) + len(in_use) >= self.capacity:
+                self._evict()
+            self._next += 1
+            in_use.append((h, self._next))
+            self.copies.setdefault(h, []).append(self._next)
+        for key in reversed(in_use):  # freed tail first: evicted first
+            self.cache[key] = None
         return hit
+
+    def _evict(self) -> None:
+        (h, copy), _ = self.cache.popitem(last=False)
+        left = self.copies[h]
+        left.remove(copy)
+        if not left:
+            del self.copies[h]
 
 
 class Router:
@@ -148,6 +178,7 @@ class Router:
         if not self.records:  # precise: what the engines hold, as their KV events say
             state.put(PREFIX_MATCH, PrefixMatch(
                 req.prompt, {ep.id: h for ep, h in zip(self.eps, held, strict=True)}, {}, True))
+            state.put(PROMPT_CHAIN, (BLOCK, req.blocks))  # the producer's event hashes
         if headers:
             session = req.session.split("-sub")[0]
             state.put(SESSION_KEY, session)

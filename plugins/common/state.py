@@ -56,3 +56,10 @@ SESSION_PIN: StateKey[EndpointId] = StateKey("session-pin")
 #: prompt; the prefix-cache producer keys its own record by it instead of by tenant. Absent:
 #: no salt was injected (no authentication, or an API the engine takes no salt on).
 CACHE_SALT: StateKey[str] = StateKey("cache-salt")
+
+#: The prompt's chain of full-block hashes, as (block size [tokens], one hash per full block,
+#: each depending on every token before it): a later turn of a conversation holds its earlier
+#: prompt's hashes at the same positions. Produced by the prefix-cache producer (the hashes it
+#: computes anyway); the placement scorer recognises conversations without session headers by
+#: it (plugins/placement/conversations.py). Absent: no producer, or the prompt could not be hashed.
+PROMPT_CHAIN: StateKey[tuple[int, Sequence[int]]] = StateKey("prompt-chain")

@@ -66,10 +66,9 @@ evicted first). Parameters and why their values: docs/plugins/placement.md.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import ClassVar
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -90,9 +89,17 @@ from kvgate.middleware.framework.types import (
     EndpointId,
     InferenceRequest,
     RoutingDecision,
+    StateKey,
     add_log_field,
 )
-from kvgate.plugins.common.state import PREFIX_MATCH, SESSION_KEY, SESSION_PIN, PrefixMatch
+from kvgate.plugins.common.state import (
+    PREFIX_MATCH,
+    PROMPT_CHAIN,
+    SESSION_KEY,
+    SESSION_PIN,
+    TOKEN_IDS,
+    PrefixMatch,
+)
 from kvgate.plugins.load.shared_load import CounterShare
 from kvgate.plugins.load.token_load import (
     TokenLoadScorer,
@@ -100,8 +107,13 @@ from kvgate.plugins.load.token_load import (
     prompt_tokens,
     uncached_tokens,
 )
+from kvgate.plugins.placement.conversations import Conversations, Turn
 from kvgate.plugins.placement.insertion_ledger import InsertionLedger, SessionInsertions
+from kvgate.plugins.placement.metrics import PlacementCollector
 from kvgate.plugins.placement.state import PLACEMENT, Placement, PlacementStats
+
+#: The request's earlier turn found without a session header (None: looked up, none found).
+_PREVIOUS: StateKey[tuple[Turn | None]] = StateKey("kv-placement-previous-turn")
 
 
 class KvPlacementScorer(
@@ -180,6 +192,8 @@ class KvPlacementScorer(
             self.load = found
         self.ledger = InsertionLedger()
         self._own = SessionInsertions(params.max_sessions)  # each session's own insertions
+        #: The same without session headers: conversations told by their prompts' chains.
+        self.conversations = Conversations(params.max_sessions)
         self.stats = PlacementStats()
         #: Tokens this replica charged per engine since start (shared with the other replicas)
         self._inserted: dict[EndpointId, float] = {}
@@ -265,9 +279,13 @@ class KvPlacementScorer(
         pressure = self._pressures(held, half_life)
         session = state.get(SESSION_KEY)
         pinned = state.get(SESSION_PIN) or self._pin_of(session)
+        turn = None if session is not None else self._previous(state)
+        if turn is not None:  # no header: the conversation its prompt continues
+            pinned = turn.engine
         if pinned is not None and pinned in pressure:  # its own growth is no threat to it
-            pressure[pinned] -= self._own.pressure(
-                session, pinned, self.ledger.total, half_life, self._capacity[pinned])
+            total, cap = self.ledger.total, self._capacity[pinned]
+            pressure[pinned] -= self._own.pressure(session, pinned, total, half_life, cap) if (
+                turn is None) else self.conversations.own_pressure(turn, total, half_life, cap)
         slowest = min(pressure.values())
         hint = self._hints.get(session) if session is not None else None
         if hint is not None and hint[0] in held:
@@ -327,6 +345,28 @@ class KvPlacementScorer(
                 self.stats.hints_used += 1
             self._pin(session, target, prompt)
             self._own.add(session, target, inserted[target], self.ledger.total, half_life)
+        else:
+            self._remember(state, target, inserted[target], half_life)
+
+    def _previous(self, state: CycleState) -> Turn | None:
+        """The earlier turn a request without session header continues
+        (plugins/placement/conversations.py), noted for the dispatch hook."""
+        chain, tokens = state.get(PROMPT_CHAIN), state.get(TOKEN_IDS)
+        if chain is None or tokens is None:
+            return None
+        turn = self.conversations.previous(tokens, chain[0], chain[1])
+        state.put(_PREVIOUS, (turn,))
+        return turn
+
+    def _remember(self, state: CycleState, target: EndpointId, inserted: float,
+                  half_life: float) -> None:
+        chain, tokens = state.get(PROMPT_CHAIN), state.get(TOKEN_IDS)
+        if chain is None or tokens is None:
+            return
+        looked = state.get(_PREVIOUS)
+        previous = looked[0] if looked is not None else self._previous(state)
+        self.conversations.add(tokens, chain[0], chain[1], target, inserted,
+                               self.ledger.total, half_life, previous)
 
     def add_remote(self, inserted: Mapping[EndpointId, float]) -> None:
         """The other replicas' insertions since the last exchange (shared through Redis by the
@@ -397,6 +437,7 @@ class KvPlacementScorer(
         for ep in removed:
             self.ledger.forget(ep.id)
             self._own.forget_engine(ep.id)
+            self.conversations.forget_engine(ep.id)
             self._capacity.pop(ep.id, None)
             self._metrics_read.pop(ep.id, None)
             self._inserted.pop(ep.id, None)
@@ -407,7 +448,7 @@ class KvPlacementScorer(
             self._hints.pop(session, None)
 
     def collector(self) -> Collector:
-        return _PlacementCollector(self)
+        return PlacementCollector(self)
 
 
 def _held(eps: Sequence[Endpoint], prompt: float, match: PrefixMatch | None,
@@ -423,50 +464,3 @@ def _held(eps: Sequence[Endpoint], prompt: float, match: PrefixMatch | None,
         h = device(e, 0) + weight * other(e, 0)
         held[e] = h if h < prompt else prompt
     return held
-
-
-class _PlacementCollector(Collector):
-    def __init__(self, scorer: KvPlacementScorer) -> None:
-        self._s = scorer
-
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        s = self._s
-        decisions = CounterMetricFamily(
-            "kvgate_placement_decisions", "Placement decisions by kind", labels=["kind"]
-        )
-        for kind, count in s.stats.decisions.items():
-            decisions.add_metric([kind], count)
-        yield decisions
-        yield CounterMetricFamily("kvgate_placement_pins_used", "Session pins consulted",
-                                  value=s.stats.pins_used)
-        yield CounterMetricFamily("kvgate_placement_pins_evicted",
-                                  "Session pins evicted (max_sessions)",
-                                  value=s.stats.pins_evicted)
-        yield CounterMetricFamily("kvgate_placement_inserted_tokens",
-                                  "KV tokens charged as inserted", value=s.stats.inserted_tokens)
-        yield CounterMetricFamily("kvgate_placement_remote_inserted_tokens",
-                                  "KV tokens other replicas charged (shared through Redis)",
-                                  value=s.stats.remote_inserted_tokens)
-        yield GaugeMetricFamily("kvgate_placement_sessions", "Session pins held",
-                                value=len(s._pins))
-        yield GaugeMetricFamily("kvgate_placement_own_insertion_sessions", "Sessions whose "
-                                "own recent insertions are tracked", value=len(s._own))
-        yield CounterMetricFamily(
-            "kvgate_placement_restored_hints_used",
-            "Sessions placed on the engine a restored pin says holds their prefix",
-            value=s.stats.hints_used)
-        yield GaugeMetricFamily("kvgate_placement_restored_hints",
-                                "Restored pins not yet used by their session",
-                                value=len(s._hints))
-        pressure = GaugeMetricFamily(
-            "kvgate_placement_pressure",
-            "Recent KV insertions per token of capacity (decayed by fleet insertions)",
-            labels=["engine"],
-        )
-        capacity = GaugeMetricFamily("kvgate_placement_capacity_tokens",
-                                     "KV capacity used for placement", labels=["engine"])
-        for engine, value in sorted(s._pressures(s._capacity, s._half_life()).items()):
-            pressure.add_metric([engine], value)
-            capacity.add_metric([engine], s._capacity[engine])
-        yield pressure
-        yield capacity

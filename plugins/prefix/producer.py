@@ -68,6 +68,7 @@ from kvgate.middleware.framework.types import (
 from kvgate.plugins.common.state import (
     CACHE_SALT,
     PREFIX_MATCH,
+    PROMPT_CHAIN,
     TOKEN_IDS,
     TOKEN_IDS_INEXACT,
     PrefixMatch,
@@ -385,6 +386,10 @@ class PrefixCacheProducer(
         except HashingError:
             return
         state.put(_PREDICTED, precise)
+        chains = state.get(_RECORD_HASHES) or state.get(_EVENT_HASHES)
+        if chains:
+            size = min(chains)
+            state.put(PROMPT_CHAIN, (size, chains[size]))
         if shared:
             state.put(_SHARED, shared)
         # the fleet's shared tier (KV events with locality REMOTE) is reachable from every engine
@@ -405,6 +410,7 @@ class PrefixCacheProducer(
         except HashingError:
             return
         state.put(_RECORD_HASHES, hashes)
+        state.put(PROMPT_CHAIN, (size, hashes[size]))
         # the record's holders are the engines themselves (it records engine ids, no ranks):
         # matched in the candidates' order, as the general path's
         found = record.match(hashes, self.clock(), group, [ep.id for ep in eps])
@@ -525,7 +531,8 @@ class PrefixCacheProducer(
         self.states.prediction(target.id, judged, reported, size,
                                tokens_agree=check.prompt_tokens == usage.prompt_tokens,
                                confirmed=min(check.confirmed, cap),
-                               evicted=self._evicted(state, check, reported, judged))
+                               evicted=self._evicted(state, check, reported, judged),
+                               recheck=lambda: self._evicted(state, check, reported, judged))
         if check.prompt_tokens == usage.prompt_tokens:
             self._learn(state, target.id, reported, size)
 

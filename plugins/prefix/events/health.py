@@ -73,6 +73,16 @@ class HealthParams:
     min_checks: int = 20
     #: Least share of predictions within one block for ``exact``.
     agreement: float = 0.8
+    #: Hysteresis: the share a new window must reach to clear a disagreement (above
+    #: ``agreement``, so a share hovering at the threshold cannot flip the state each window).
+    recover_agreement: float = 0.9
+    #: Hysteresis: seconds a judged cause (disagreeing predictions, silence) must stay clear
+    #: before the engine is ``exact`` again; definitive facts (a gap filled, exact ids, the
+    #: unknown topics' own hold) clear at once.
+    recover_hold_s: float = 10.0
+    #: Seconds an unexplained ``over`` waits for the engine's next event batch before it is
+    #: judged (the removals of the step that admitted the request may trail its usage).
+    settle_s: float = 2.0
     #: Mode ``auto``: seconds ``degraded`` lasts before it is reported as ``approximate``.
     fallback_after_s: float = 10.0
 
@@ -92,6 +102,11 @@ class _Engine:
     window: deque[bool] = field(default_factory=deque)
     tokens_agree: deque[bool] = field(default_factory=deque)
     bad_predictions: str | None = None
+    #: Hysteresis: a judged cause cleared; exact again at ``recovering[0]`` (monotonic).
+    recovering: tuple[float, str] | None = None
+    #: ``over`` results awaiting the engine's next event batch: (deadline, whether the engine
+    #: removed the blocks after the dispatch, tokens_agree); at most ``window``.
+    pending: list[tuple[float, Callable[[], bool], bool]] = field(default_factory=list)
     results: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESULTS, 0))
     changes: dict[str, int] = field(default_factory=lambda: {s.value: 0 for s in IndexState})
 
@@ -201,9 +216,11 @@ class IndexHealth:
         rec = self._engines.get(engine)
         if rec is None:
             return
-        rec.last_event = self.clock()
+        now = rec.last_event = self.clock()
+        if rec.pending_since is not None and now - rec.pending_since >= self.p.silence_s:
+            self._hold(rec, now, "silence")
         rec.pending_since = None
-        self._evaluate(engine, rec, rec.last_event)
+        self._evaluate(engine, rec, now)
 
     def gap_opened(self, engine: str, detail: str) -> None:
         self._set(engine, "gap", detail)
@@ -246,10 +263,11 @@ class IndexHealth:
 
     def prediction(self, engine: str, predicted: int, reported: int, block_size: int,
                    tokens_agree: bool, confirmed: int | None = None,
-                   evicted: bool = False) -> str:
+                   evicted: bool = False, recheck: Callable[[], bool] | None = None) -> str:
         """Record one predicted-vs-reported comparison; returns its result name (``confirmed``:
         the part of ``predicted`` known from the engine's events; None: all of it;
-        ``evicted``: the engine's events removed a block of the difference after dispatch)."""
+        ``evicted``: the engine's events removed a block of the difference after dispatch;
+        ``recheck``: asks that again, for an ``over`` judged at the next batch: ``pending``)."""
         rec = self._engines.get(engine)
         diff = predicted - reported
         result = "within_block" if abs(diff) <= block_size else "over" if diff > 0 else "under"
@@ -260,19 +278,37 @@ class IndexHealth:
             result = "evicted"  # the index was right when it routed: not judged (kv_removals)
         if rec is None:
             return result
+        if result == "over" and recheck is not None and len(rec.pending) < self.p.window:
+            rec.pending.append((self.clock() + self.p.settle_s, recheck, tokens_agree))
+            return "pending"
+        return self._record(engine, rec, result, tokens_agree)
+
+    def settle(self, engine: str) -> None:
+        """A batch of ``engine``'s events was applied: judge its pending ``over`` results
+        (``evicted`` when the batch removed their blocks, else ``over``)."""
+        rec = self._engines.get(engine)
+        if rec is None or not rec.pending:
+            return
+        pending, rec.pending = rec.pending, []
+        for _, recheck, tokens_agree in pending:
+            self._record(engine, rec, "evicted" if recheck() else "over", tokens_agree)
+
+    def _record(self, engine: str, rec: _Engine, result: str, tokens_agree: bool) -> str:
         rec.results[result] += 1
         if result in ("speculative", "evicted"):
             return result
         rec.window.append(result == "within_block")
         rec.tokens_agree.append(tokens_agree)
-        self._judge_window(rec)
-        self._evaluate(engine, rec, self.clock())
+        now = self.clock()
+        self._judge_window(rec, now)
+        self._evaluate(engine, rec, now)
         return result
 
-    def _judge_window(self, rec: _Engine) -> None:
+    def _judge_window(self, rec: _Engine, now: float) -> None:
         """Latch ``bad_predictions`` when the window's share of predictions within one block,
         or of prompts the engine counted as many tokens as the gateway, is below
-        ``agreement``; unlatch when a new window reaches it for both."""
+        ``agreement``; unlatch when a new window reaches ``recover_agreement`` for both (and
+        hold the state ``recover_hold_s`` longer)."""
         p = self.p
         n = len(rec.window)
         if n < p.min_checks:
@@ -280,16 +316,25 @@ class IndexHealth:
         within, counted = sum(rec.window) / n, sum(rec.tokens_agree) / n
         if rec.bad_predictions is None and min(within, counted) < p.agreement:
             rec.bad_predictions = _disagreement(n, within, counted, p.agreement)
+            rec.recovering = None
             rec.window.clear()  # recovery needs a new window that agrees
             rec.tokens_agree.clear()
-        elif rec.bad_predictions is not None and min(within, counted) >= p.agreement:
+        elif rec.bad_predictions is not None and min(within, counted) >= p.recover_agreement:
             rec.bad_predictions = None
+            self._hold(rec, now, f"predictions agree again ({round(within * n)} of {n})")
+
+    def _hold(self, rec: _Engine, now: float, what: str) -> None:
+        """A judged cause cleared at ``now``: the state waits ``recover_hold_s`` (hysteresis)."""
+        if rec.state is not IndexState.EXACT and self.p.recover_hold_s > 0:
+            rec.recovering = (now + self.p.recover_hold_s, what)
 
     # -- evaluation ----------------------------------------------------------------------------
     def tick(self) -> None:
         """Re-evaluate time-based causes (silence, hold expiry, fallback) for every engine."""
         now = self.clock()
         for name, rec in self._engines.items():
+            if rec.pending and rec.pending[0][0] <= now:  # no batch came: judged as they are
+                self.settle(name)
             self._evaluate(name, rec, now)
 
     def _cause(self, rec: _Engine, now: float) -> str | None:
@@ -307,7 +352,14 @@ class IndexHealth:
         if rec.pending_since is not None and now - rec.pending_since >= p.silence_s:
             return (f"silent: requests with uncached blocks were served, no KV event for "
                     f"{p.silence_s:g} s")
-        return rec.bad_predictions
+        if rec.bad_predictions is not None:
+            return rec.bad_predictions
+        if rec.recovering is not None:
+            until, what = rec.recovering
+            if now < until:
+                return f"recovering: {what}; exact after {p.recover_hold_s:g} s clear"
+            rec.recovering = None
+        return None
 
     def _target(self, rec: _Engine, now: float) -> tuple[IndexState, str]:
         if self.policy == "approximate":

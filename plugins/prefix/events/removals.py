@@ -30,6 +30,8 @@ class RemovalLog:
         #: Removals seen so far, all engines (a dispatch notes it; later removals are after).
         self.seq = 0
         self._engines: dict[str, OrderedDict[int, int]] = {}
+        #: The sequence of each engine's last whole-cache clear (one int per engine).
+        self._cleared: dict[str, int] = {}
 
     def removed(self, engine: str, block: int) -> None:
         self.seq += 1
@@ -39,8 +41,19 @@ class RemovalLog:
         if len(log) > self.per_engine:
             log.popitem(last=False)
 
+    def cleared(self, engine: str) -> None:
+        """``engine`` dropped its whole cache (``AllBlocksCleared``, a restart): every block
+        counts as removed now. vLLM publishes a reset only after its next engine step, so on
+        an idle engine the first request after ``/reset_prefix_cache`` or ``sleep`` is routed
+        on the index from before it: that miss is the reset's, not the index's."""
+        self.seq += 1
+        self._cleared[engine] = self.seq
+        self._engines.pop(engine, None)
+
     def removed_after(self, engine: str, blocks: Sequence[int], seq: int) -> bool:
         """Whether any of ``blocks`` was removed from ``engine`` after ``seq``."""
+        if self._cleared.get(engine, 0) > seq:
+            return bool(blocks)
         log = self._engines.get(engine)
         if not log:
             return False
@@ -49,6 +62,7 @@ class RemovalLog:
 
     def forget(self, engine: str) -> None:
         self._engines.pop(engine, None)
+        self._cleared.pop(engine, None)
 
 
 __all__ = ["PER_ENGINE", "RemovalLog"]

@@ -69,7 +69,7 @@ from kvgate.plugins.prefix.events.wire import (
     offset_port,
     topic_engine,
 )
-from kvgate.plugins.prefix.index.index import HashingError, KvIndex, holder_id
+from kvgate.plugins.prefix.index.index import HashingError, KvIndex, engine_of, holder_id
 from kvgate.plugins.prefix.shared_tier import holder_for
 
 __all__ = [
@@ -137,6 +137,10 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
         prediction_min_checks: int = Field(20, ge=1)
         #: Least share of predictions within one block of the engine's report for ``exact``.
         prediction_agreement: float = Field(0.8, ge=0, le=1)
+        #: Hysteresis: the share a new window needs to clear a disagreement (>= agreement),
+        #: and seconds a cleared disagreement or silence holds the state before ``exact``.
+        prediction_recover_agreement: float = Field(0.9, ge=0, le=1)
+        recover_hold_s: float = Field(10.0, ge=0)
         #: Seconds a replay socket has to answer completely.
         replay_timeout_s: float = Field(2.0, gt=0)
         #: Batches held per (engine, rank) while its gap is replayed (past it: reset).
@@ -161,6 +165,9 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
             window=params.prediction_window,
             min_checks=min(params.prediction_min_checks, params.prediction_window),
             agreement=params.prediction_agreement,
+            recover_agreement=max(params.prediction_agreement,
+                                  params.prediction_recover_agreement),
+            recover_hold_s=params.recover_hold_s,
         ))
         self._links: dict[str, _Link] = {}
         self._seq: dict[tuple[str, int], int] = {}
@@ -307,6 +314,7 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
             return
         self.health_state.event(engine)
         self._accept(engine, batch)
+        self.health_state.settle(engine)  # overs waiting for this batch's removals
 
     def _attribute(self, topic: str) -> str | None:
         engine = topic_engine(topic, self.p.topic_prefix)
@@ -363,6 +371,7 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
             log.info("kv events: %s restarted (seq %d after %d); its entries were reset",
                      holder, batch.seq, last)
             self.index.reset(holder)
+            self.index.removals.cleared(engine)
         self._apply_batch(engine, batch)
 
     def _apply_batch(self, engine: str, batch: EventBatch) -> None:
@@ -395,6 +404,7 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
             )
         else:
             self.index.reset(holder)
+            self.index.removals.cleared(engine_of(holder))
         self.stats.events_applied[type(event).__name__] += 1
 
     # -- gap filling ---------------------------------------------------------------------------

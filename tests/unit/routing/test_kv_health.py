@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,7 +19,8 @@ from kvgate.plugins.prefix.events.health import (
 from tests.unit.routing.helpers import Clock
 
 PARAMS = HealthParams(silence_s=5, unknown_topic_hold_s=30, window=10, min_checks=5,
-                      agreement=0.8, fallback_after_s=10)
+                      agreement=0.8, recover_agreement=0.9, recover_hold_s=10,
+                      fallback_after_s=10)
 Step = Callable[[IndexHealth, Clock], None]
 
 
@@ -54,6 +56,8 @@ class Case:
     cause: list[Step]
     reason: str  # a part of the degraded reason
     recovery: list[Step]
+    #: A judged cause (silence, predictions): exact only after ``recover_hold_s`` clear.
+    held: bool = False
 
 
 CASES = [
@@ -64,13 +68,13 @@ CASES = [
     Case("unattributable messages on its socket", [lambda h, c: h.unknown_topic("")],
          "unattributable KV events", [_later(30)]),
     Case("silent after serving new blocks", [_served, _later(5)], "silent",
-         [lambda h, c: h.event("e0")]),
+         [lambda h, c: h.event("e0")], held=True),
     Case("predictions under", [_predictions(5, 0, 64)], "predictions disagree",
-         [_predictions(4, 64, 64), _predictions(1, 64, 64)]),
+         [_predictions(4, 64, 64), _predictions(1, 64, 64)], held=True),
     Case("predictions over", [_predictions(5, 64, 0)], "predictions disagree",
-         [_predictions(5, 32, 16)]),
+         [_predictions(5, 32, 16)], held=True),
     Case("token counts differ", [_predictions(5, 0, 0, tokens_agree=False)],
-         "token ids are not the engine's", [_predictions(5, 0, 0)]),
+         "token ids are not the engine's", [_predictions(5, 0, 0)], held=True),
 ]
 
 
@@ -89,9 +93,16 @@ def test_cause_degrades_and_recovery_restores(case: Case,
     caplog.clear()
     for step in case.recovery:
         step(health, clock)
+    lines = [" engine e0 degraded -> exact"]
+    if case.held:  # hysteresis: still degraded until the cause stayed clear for the hold
+        assert health.state("e0") is IndexState.DEGRADED
+        assert "recovering" in health.reason("e0")
+        _later(PARAMS.recover_hold_s - 0.1)(health, clock)
+        assert health.state("e0") is IndexState.DEGRADED
+        _later(0.1)(health, clock)
+        lines = [" engine e0 degraded -> degraded", *lines]
     assert health.state("e0") is IndexState.EXACT, health.reason("e0")
-    assert [line.split(":")[1] for line in _lines(caplog, "e0")] == [
-        " engine e0 degraded -> exact"]
+    assert [line.split(":")[1] for line in _lines(caplog, "e0")] == lines
 
 
 def _lines(caplog: pytest.LogCaptureFixture, engine: str) -> list[str]:
@@ -253,3 +264,60 @@ def test_in_flight_evictions_do_not_degrade_an_engine() -> None:
     assert health.results("e0")["evicted"] == 60
     assert health.state("e0") is not IndexState.DEGRADED
     assert health.prediction("e0", 160, 160, 16, True, evicted=True) == "within_block"
+
+
+D, E, A = IndexState.DEGRADED, IndexState.EXACT, IndexState.APPROXIMATE
+
+
+def _mixed(good: int, bad: int) -> Step:
+    """``good`` predictions within one block, then ``bad`` ones off by four blocks."""
+    def step(h: IndexHealth, c: Clock) -> None:
+        _predictions(good, 64, 64)(h, c)
+        _predictions(bad, 0, 64)(h, c)
+    return step
+
+
+def _event(h: IndexHealth, c: Clock) -> None:
+    h.event("e0")
+
+
+#: (name, policy, steps with the state expected after each, changes of e0's state)
+HYSTERESIS = [
+    ("a share between the two thresholds does not clear a disagreement", "precise",
+     [(_mixed(0, 5), D), (_mixed(4, 1), D), (_later(30), D), (_mixed(4, 1), D)], 1),
+    ("a share at the recovery threshold clears it after the hold", "precise",
+     [(_mixed(0, 5), D), (_mixed(4, 1), D), (_mixed(5, 0), D), (_later(9.9), D),
+      (_later(0.1), E)], 2),
+    ("an exact window at the lower threshold stays exact (no re-judging up)", "precise",
+     [(_mixed(4, 1), E), (_mixed(4, 1), E), (_later(60), E)], 0),
+    ("a silence that recurs within the hold does not flap", "precise",
+     [(_served, E), (_later(5), D), (_event, D), (_later(4), D), (_served, D), (_later(5), D),
+      (_event, D), (_later(9.9), D), (_later(0.1), E)], 2),
+    ("a relapse during the hold restarts it", "precise",
+     [(_mixed(0, 5), D), (_mixed(5, 0), D), (_later(5), D), (_mixed(0, 5), D),
+      (_mixed(5, 0), D), (_mixed(5, 0), D), (_later(9.9), D), (_later(0.1), E)], 2),
+    ("auto: fallen back, cleared, it routes on the record until the hold ends", "auto",
+     [(_mixed(0, 5), D), (_later(10), A), (_mixed(5, 0), A), (_later(9.9), A),
+      (_later(0.1), E)], 3),
+    ("definitive causes clear at once", "precise",
+     [(lambda h, c: h.gap_opened("e0", "lost 3..4"), D), (lambda h, c: h.gap_closed("e0"), E)],
+     2),
+]
+
+
+@pytest.mark.parametrize(("name", "policy", "steps", "changes"), HYSTERESIS,
+                         ids=[h[0] for h in HYSTERESIS])
+def test_index_state_hysteresis(name: str, policy: Policy, steps: list[tuple[Step, IndexState]],
+                                changes: int, caplog: pytest.LogCaptureFixture) -> None:
+    """Judged causes (prediction windows, silence) enter at ``agreement`` / ``silence_s`` but
+    clear only at ``recover_agreement`` and after ``recover_hold_s`` clear: an engine whose
+    evidence hovers at a threshold changes state once, not at every window or event."""
+    health, clock = _health(policy)
+    caplog.set_level(logging.WARNING, "kvgate.kv_index")
+    for i, (step, expected) in enumerate(steps):
+        step(health, clock)
+        assert health.state("e0") is expected, (i, health.reason("e0"))
+    moves = [line for line in _lines(caplog, "e0")
+             if (m := re.search(r"engine e0 (\w+) -> (\w+):", line)) and m[1] != m[2]]
+    assert len(moves) == changes, moves
+    assert health.state("e1") is IndexState.EXACT

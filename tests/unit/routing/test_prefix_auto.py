@@ -24,6 +24,7 @@ from tests.unit.routing.helpers import (
     Lookup,
     NoLookup,
     blocks,
+    cleared,
     frames,
     removed,
     request,
@@ -132,6 +133,8 @@ async def test_prediction_against_reported_cached_tokens(
         sub.handle_frames(frames("kv@e0", 0, [stored(list(range(1, held + 1)), None,
                                                       toks[: held * BS], BS)]))
     await _serve(producer, toks, "e0", cached)
+    clock.now += 2  # an unexplained over waits settle_s for the engine's next batch
+    sub.health_state.tick()
     assert sub.health_state.results("e0")[result] == 1
     assert sum(sub.health_state.results("e0").values()) == 1
 
@@ -177,6 +180,10 @@ async def test_disagreeing_predictions_fall_back_to_the_record_and_recover() -> 
     sub.handle_frames(frames("kv@e0", 0, [stored([1, 2, 3, 4], None, toks, BS)]))
     for _ in range(5):  # events flow again and a new window agrees
         await _serve(producer, toks, "e0", cached=3 * BS)
+    assert sub.health_state.state("e0") is IndexState.APPROXIMATE  # hysteresis: held
+    assert "recovering" in sub.health_state.reason("e0")
+    clock.now += 10  # recover_hold_s clear
+    sub.health_state.tick()
     assert sub.health_state.state("e0") is IndexState.EXACT
 
 
@@ -309,15 +316,25 @@ async def test_speculation_is_extended_only_past_a_quarter_of_its_ttl(
     assert "e0" not in dict((await _serve(producer, toks, "e1")).device)
 
 
-@pytest.mark.parametrize(("removed_in_flight", "result"), [
-    ([3, 2], "evicted"),  # the engine evicted predicted blocks while the request was in flight
-    ([], "over"),  # nothing removed: the index itself was wrong
+OTHER_BLOCK = stored([9], None, blocks(8, 1, BS), BS)
+
+
+@pytest.mark.parametrize(("removed_in_flight", "after_usage", "result"), [
+    ([removed([3]), removed([2])], False, "evicted"),  # evicted while the request was in flight
+    ([removed([3]), removed([2])], True, "evicted"),  # ... their batch trailing the usage
+    ([OTHER_BLOCK], True, "over"),  # the next batch removed nothing: the index was wrong
+    ([], False, "over"),  # no batch at all: judged after settle_s
+    # vLLM publishes a reset after its next step: on an idle engine, the step of the request
+    # routed on the index from before it (seen on a real engine: after the usage)
+    ([cleared(), OTHER_BLOCK], False, "evicted"),
+    ([cleared(), OTHER_BLOCK], True, "evicted"),
 ])
 async def test_a_miss_on_blocks_evicted_in_flight_is_not_held_against_the_index(
-        removed_in_flight: list[int], result: str) -> None:
+        removed_in_flight: list[Any], after_usage: bool, result: str) -> None:
     """Under KV pressure the engine may evict blocks between routing and admission; their
     ``BlockRemoved`` arrives after the dispatch. Such an ``over`` is counted as ``evicted`` and
-    left out of the agreement window, so a pressured engine's index state does not flap."""
+    left out of the agreement window, so a pressured engine's index state does not flap. The
+    same for a cache reset (``AllBlocksCleared``) that arrives after the dispatch."""
     clock = Clock()
     sub = _sub(clock)
     producer = _producer(sub, clock, mode="precise", speculative_ttl_s=0)
@@ -329,8 +346,47 @@ async def test_a_miss_on_blocks_evicted_in_flight_is_not_held_against_the_index(
     await producer.prepare(req, state, EPS)
     assert state.require(PREFIX_MATCH).device == {"e0": 3 * BS}
     await producer.before_dispatch(req, state, RoutingDecision(target=EPS[0]))
-    if removed_in_flight:
-        sub.handle_frames(frames("kv@e0", 1, [removed([h]) for h in removed_in_flight]))
+    if removed_in_flight and not after_usage:
+        sub.handle_frames(frames("kv@e0", 1, removed_in_flight))
     await producer.on_usage(req, state, EPS[0], Usage(len(toks) + 1, 1, BS))
+    if removed_in_flight and after_usage:  # an over waits for the engine's next batch
+        assert sum(sub.health_state.results("e0").values()) == 0
+        sub.handle_frames(frames("kv@e0", 1, removed_in_flight))
+    clock.now += 2
+    sub.health_state.tick()
     assert sub.health_state.results("e0")[result] == 1
     assert sum(sub.health_state.results("e0").values()) == 1
+
+
+#: How an engine's cache empties, as its KV events tell it: vLLM publishes AllBlocksCleared
+#: from ``BlockPool.reset_prefix_cache`` (``POST /reset_prefix_cache``, and ``sleep`` at level
+#: >= 1 through ``EngineCore._reset_caches``); a restarted engine's sequence starts over at 0.
+RESETS = [
+    ("reset_prefix_cache or sleep (AllBlocksCleared)", lambda seq: [cleared()]),
+    ("restart (sequence back to 0)", lambda seq: None),
+]
+
+
+@pytest.mark.parametrize(("name", "events"), RESETS, ids=[r[0] for r in RESETS])
+async def test_an_engine_cache_reset_clears_what_routing_knows_of_it(name: str,
+                                                                    events: Any) -> None:
+    """Everything the producer routes an engine on goes with its cache: the event entries,
+    the speculative entries of a request just dispatched there, and what its reported
+    cached_tokens taught; the other engine's entries stay."""
+    clock = Clock()
+    sub = _sub(clock)
+    producer = _producer(sub, clock, mode="precise")
+    toks, taught = blocks(11, 4, BS), blocks(12, 4, BS)
+    for engine in ("kv@e0", "kv@e1"):
+        sub.handle_frames(frames(engine, 0, [stored([1, 2, 3, 4], None, toks, BS)]))
+    await _serve(producer, taught, "e0", cached=3 * BS)  # learnt: 3 blocks no event announced
+    await _serve(producer, toks + blocks(13, 2, BS), "e0", cached=4 * BS)  # speculative: 6
+    before = await _serve(producer, toks + blocks(13, 2, BS), "e1")
+    assert (before.device.get("e0"), before.device.get("e1")) == (6 * BS, 4 * BS)
+    batch = events(1)
+    if batch is None:  # the new process publishes its first batch with seq 0
+        batch = [stored([9], None, blocks(14, 1, BS), BS)]
+    sub.handle_frames(frames("kv@e0", 0 if events(1) is None else 1, batch))
+    after = await _serve(producer, toks + blocks(13, 2, BS), "e1")
+    assert (after.device.get("e0"), after.device.get("e1")) == (None, 6 * BS)
+    assert (await _serve(producer, taught, "e1")).device.get("e0") is None

@@ -1,0 +1,68 @@
+"""``/metrics`` of the placement scorer (plugins/placement/scorer.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from kvgate.plugins.placement.scorer import KvPlacementScorer
+
+
+class PlacementCollector(Collector):
+    def __init__(self, scorer: KvPlacementScorer) -> None:
+        self._s = scorer
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        s = self._s
+        decisions = CounterMetricFamily(
+            "kvgate_placement_decisions", "Placement decisions by kind", labels=["kind"]
+        )
+        for kind, count in s.stats.decisions.items():
+            decisions.add_metric([kind], count)
+        yield decisions
+        yield CounterMetricFamily("kvgate_placement_pins_used", "Session pins consulted",
+                                  value=s.stats.pins_used)
+        yield CounterMetricFamily("kvgate_placement_pins_evicted",
+                                  "Session pins evicted (max_sessions)",
+                                  value=s.stats.pins_evicted)
+        yield CounterMetricFamily("kvgate_placement_inserted_tokens",
+                                  "KV tokens charged as inserted", value=s.stats.inserted_tokens)
+        yield CounterMetricFamily("kvgate_placement_remote_inserted_tokens",
+                                  "KV tokens other replicas charged (shared through Redis)",
+                                  value=s.stats.remote_inserted_tokens)
+        yield GaugeMetricFamily("kvgate_placement_sessions", "Session pins held",
+                                value=len(s._pins))
+        yield GaugeMetricFamily("kvgate_placement_own_insertion_sessions", "Sessions whose "
+                                "own recent insertions are tracked", value=len(s._own))
+        yield GaugeMetricFamily("kvgate_placement_conversations", "Prompts remembered to "
+                                "recognise later turns without session headers",
+                                value=len(s.conversations))
+        yield CounterMetricFamily("kvgate_placement_conversation_turns_found", "Requests "
+                                  "without session header recognised as a later turn",
+                                  value=s.conversations.found)
+        yield CounterMetricFamily("kvgate_placement_conversations_evicted", "Remembered "
+                                  "prompts evicted (max_sessions)",
+                                  value=s.conversations.evicted)
+        yield CounterMetricFamily(
+            "kvgate_placement_restored_hints_used",
+            "Sessions placed on the engine a restored pin says holds their prefix",
+            value=s.stats.hints_used)
+        yield GaugeMetricFamily("kvgate_placement_restored_hints",
+                                "Restored pins not yet used by their session",
+                                value=len(s._hints))
+        pressure = GaugeMetricFamily(
+            "kvgate_placement_pressure",
+            "Recent KV insertions per token of capacity (decayed by fleet insertions)",
+            labels=["engine"],
+        )
+        capacity = GaugeMetricFamily("kvgate_placement_capacity_tokens",
+                                     "KV capacity used for placement", labels=["engine"])
+        for engine, value in sorted(s._pressures(s._capacity, s._half_life()).items()):
+            pressure.add_metric([engine], value)
+            capacity.add_metric([engine], s._capacity[engine])
+        yield pressure
+        yield capacity
