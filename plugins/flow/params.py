@@ -42,6 +42,12 @@ class FlowParams(BaseModel):
     #: learns the engine's real batch size: vLLM's long-standing ``max_num_seqs`` (256).
     #: Lowered per engine as soon as the engine reports a waiting queue (see ``learn``).
     max_in_flight_per_engine: int = Field(256, ge=1, le=100_000)
+    #: [requests] The limit an engine starts with (slow start): doubled on every scrape that
+    #: shows the engine full without a queue, until its first queue; then +1 per probe. 32:
+    #: twice a small engine's batch (16 sequences), so a flood at startup overfills it by 16
+    #: at most instead of by ``max_in_flight_per_engine``, and a 256-sequence engine is
+    #: reached in 3 scrapes.
+    initial_in_flight_per_engine: int = Field(32, ge=1, le=100_000)
     #: [requests] Floor of a learned limit: an engine always gets this many.
     min_in_flight_per_engine: int = Field(1, ge=1, le=100_000)
     #: [requests] Requests an engine may queue itself (``vllm:num_requests_waiting``) before
@@ -98,6 +104,9 @@ class FlowParams(BaseModel):
     #: next turn waits at most (served tokens / rate) behind newcomers: 4,096 -> 8 s for a
     #: 32k-token session.
     aging_tokens_per_s: float = Field(4096.0, gt=0)
+    #: Order within a tenant: ``las`` (least attained service by session, aged) or ``fifo``
+    #: (arrival order; for comparison: bench/flow_control.py).
+    session_order: Literal["las", "fifo"] = "las"
     #: Request headers naming the session (agent) of a request, first present wins: the ones
     #: session affinity reads. None of them: the request is its own session.
     session_headers: tuple[str, ...] = ("x-session-affinity", "x-session-id")
@@ -135,6 +144,10 @@ class FlowParams(BaseModel):
 
     @model_validator(mode="after")
     def _limits(self) -> FlowParams:
+        if not (self.min_in_flight_per_engine <= self.initial_in_flight_per_engine
+                <= self.max_in_flight_per_engine) and self.learn:
+            raise ValueError("need min_in_flight_per_engine <= initial_in_flight_per_engine "
+                             "<= max_in_flight_per_engine")
         if self.min_in_flight_per_engine > self.max_in_flight_per_engine:
             raise ValueError("min_in_flight_per_engine exceeds max_in_flight_per_engine")
         if BANDS.index(self.default_band) < BANDS.index(self.max_band):

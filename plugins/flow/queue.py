@@ -83,8 +83,8 @@ class FlowQueue:
         if not self.tenant_queued(tenant):
             self.fair.lift(tenant, self._backlogged_min())
         self._seq += 1
-        rank = (self.fair.attained(tenant, session)
-                - now * self.p.aging_tokens_per_s)
+        rank = (self.fair.attained(tenant, session) + now * self.p.aging_tokens_per_s
+                if self.p.session_order == "las" else float(self._seq))
         w = Waiter(self._seq, band, tenant, session, tokens, now, rank)
         heapq.heappush(b.by_tenant.setdefault(tenant, []), (rank, w.seq, w))
         b.live[tenant] = b.live.get(tenant, 0) + 1
@@ -162,9 +162,9 @@ class FlowQueue:
         return out
 
     def over_share(self, tenant: str, capacity: int, now: float) -> bool:
-        """Whether ``tenant`` holds or asks more than its fair share of ``capacity``."""
+        """Whether ``tenant`` holds its fair share of ``capacity`` (or more) in flight."""
         share = self._shares(capacity, now).get(tenant, float(capacity))
-        return self.in_flight.get(tenant, 0) + self.tenant_queued(tenant) > share
+        return self.in_flight.get(tenant, 0) >= share
 
     def _shares(self, capacity: int, now: float) -> dict[str, float]:
         window = self.p.active_window_s

@@ -13,11 +13,12 @@ usage at ``max_kv_usage`` or more (``kv_usage``), or its in-flight prompt tokens
 token bound (``tokens``), or -- with learning off -- it reported more than
 ``max_engine_waiting`` queued requests (``engine_waiting``).
 
-The limit starts at ``max_in_flight_per_engine`` and is learned (AIMD, see FlowParams.learn):
-a scrape showing a queue in the engine cuts it to this gateway's share of what the engine
-runs; a scrape showing the engine full without a queue raises it by one, at most every
-``probe_interval_s``. So a gateway in front of a 16-sequence engine converges on 16, and N
-replicas in front of it on about 16 / N each, without talking to each other.
+The limit starts at ``initial_in_flight_per_engine`` and is learned (see FlowParams.learn): a
+scrape showing a queue in the engine cuts it to this gateway's share of what the engine runs; a
+scrape showing the engine full without a queue doubles it until the first cut (slow start),
+then raises it by one at most every ``probe_interval_s``, never past
+``max_in_flight_per_engine`` (with ``learn: false`` the limit is that, fixed). So a gateway
+in front of a 16-sequence engine converges on 16, and N replicas in front of it on about 16 / N each, without talking to each other.
 
 Pools: engines of role ``both`` and ``decode`` serve a request (the serving pool); ``prefill``
 engines form the prefill pool. A request needs a free slot in the serving pool and, when
@@ -40,6 +41,8 @@ log = logging.getLogger("kvgate.flow")
 @dataclass(slots=True)
 class _Learned:
     limit: int
+    #: Slow start: the limit doubles until the engine first queues.
+    slow_start: bool = True
     seen_scrape: float | None = None
     last_probe: float = 0.0
     stale: bool = False
@@ -111,7 +114,10 @@ class Saturation:
     def _engine(self, ep: Endpoint, now: float) -> EngineView:
         learned = self._learned.get(ep.id)
         if learned is None:
-            learned = self._learned[ep.id] = _Learned(self.p.max_in_flight_per_engine)
+            p = self.p
+            learned = self._learned[ep.id] = (
+                _Learned(p.initial_in_flight_per_engine) if p.learn
+                else _Learned(p.max_in_flight_per_engine, slow_start=False))
         fresh = self._fresh(ep, learned, now)
         if fresh and self.p.learn:
             self._learn(ep, learned, now)
@@ -126,7 +132,8 @@ class Saturation:
         if stale and not learned.stale:
             log.warning("flow control: engine %s's metrics are %.0f s old (more than "
                         "metrics_stale_s=%s): saturation from the gateway's counters only",
-                        ep.id, now - (scraped or now), self.p.metrics_stale_s)
+                        ep.id, now - (now if scraped is None else scraped),
+                        self.p.metrics_stale_s)
         learned.stale = stale
         return fresh
 
@@ -145,10 +152,14 @@ class Saturation:
                 log.info("flow control: engine %s queues %d requests: limit %d -> %d",
                          ep.id, int(m.waiting), learned.limit, cut)
                 learned.limit = cut
-            learned.last_probe = now
-        elif (ep.in_flight_requests >= learned.limit and learned.limit < p.max_in_flight_per_engine
-              and now - learned.last_probe >= p.probe_interval_s):
-            learned.limit += 1
+            learned.last_probe, learned.slow_start = now, False
+        elif ep.in_flight_requests >= learned.limit and learned.limit < p.max_in_flight_per_engine:
+            if learned.slow_start:
+                learned.limit = min(p.max_in_flight_per_engine, 2 * learned.limit)
+            elif now - learned.last_probe >= p.probe_interval_s:
+                learned.limit += 1
+            else:
+                return
             learned.last_probe = now
             self.probes += 1
 
