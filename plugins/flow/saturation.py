@@ -18,7 +18,8 @@ scrape showing a queue in the engine cuts it to this gateway's share of what the
 scrape showing the engine full without a queue doubles it until the first cut (slow start),
 then raises it by one at most every ``probe_interval_s``, never past
 ``max_in_flight_per_engine`` (with ``learn: false`` the limit is that, fixed). So a gateway
-in front of a 16-sequence engine converges on 16, and N replicas in front of it on about 16 / N each, without talking to each other.
+in front of a 16-sequence engine converges on 16, and N replicas in front of it on about
+16 / N each, without talking to each other.
 
 Pools: engines of role ``both`` and ``decode`` serve a request (the serving pool); ``prefill``
 engines form the prefill pool. A request needs a free slot in the serving pool and, when
