@@ -74,7 +74,7 @@ def _prefix_params(qs: QuickStart) -> dict[str, Any]:
     return {"mode": "auto"}
 
 
-_COMMON = [{"ref": "health-filter"}, {"ref": "model-filter"}]
+_COMMON = [{"ref": "health-filter"}, {"ref": "model-filter"}, {"ref": "flow-control"}]
 _TAIL = [{"ref": "kv-placement-scorer", "weight": 1.0}, {"ref": "max-score-picker"}]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
@@ -39,8 +39,10 @@ class TenantLabels:
 
 class FlowMetrics(Collector):
     def __init__(self, view: Callable[[], FleetView | None],
-                 queued: Callable[[str], int], bands: tuple[str, ...]) -> None:
+                 queued: Callable[[str], int], bands: tuple[str, ...],
+                 evictions: Callable[[], dict[str, int]]) -> None:
         self._view = view
+        self._evictions = evictions
         self._queued = queued
         self._bands = bands
         self.admitted = Counter("kvgate_flow_admitted", "Requests admitted by flow control, "
@@ -65,6 +67,13 @@ class FlowMetrics(Collector):
         for m in (self.admitted, self.wait, self.shed, self.gone, self.capped,
                   self.limit_changes):
             yield from m.collect()
+        evicted = CounterMetricFamily("kvgate_flow_events", "Fairness entries evicted by the "
+                                      "max_tenants / max_sessions bounds (tenant, session); "
+                                      "schedulings that found every candidate engine "
+                                      "saturated (filter_kept_all)", labels=["what"])
+        for what, n in sorted(self._evictions().items()):
+            evicted.add_metric([what], n)
+        yield evicted
         queued = GaugeMetricFamily("kvgate_flow_queued", "Requests waiting in the gateway's "
                                    "flow-control queue now", labels=["band"])
         for band in self._bands:

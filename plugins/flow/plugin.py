@@ -1,8 +1,10 @@
 """``flow-control``: overload without victims -- a gateway-side queue while the fleet is
 saturated, priority bands, and fairness across tenants (by tokens) and agent sessions.
 
-(AdmissionGate, DispatchHook, UsageHook, RequestEndHook, NeedsLoopback, Lifecycle,
-MetricsSource, HealthSource.)
+(AdmissionGate, Filter, DispatchHook, UsageHook, RequestEndHook, NeedsLoopback, Lifecycle,
+MetricsSource, HealthSource.) Reference it in each profile (after the health and model
+filters) so that the scheduler picks among the engines with a free slot; the quick-start
+presets do.
 
 Per request, before any engine is chosen (the dispatcher awaits :meth:`FlowControl.admit`
 before the data producers and the scheduler: late binding, the engine is picked when the
@@ -112,7 +114,12 @@ class FlowControl(Plugin):
         self._task: asyncio.Task[None] | None = None
         self._labels = TenantLabels(params.max_tenant_labels)
         self._cuts = self._probes = 0
-        self.metrics = FlowMetrics(lambda: self._last_view, self.queue.queued, BANDS)
+        #: Schedulings where every candidate engine was saturated (the filter kept them all).
+        self.unfiltered = 0
+        self.metrics = FlowMetrics(
+            lambda: self._last_view, self.queue.queued, BANDS,
+            lambda: {"tenant": self.fair.evicted_tenants, "session": self.fair.evicted_sessions,
+                     "filter_kept_all": self.unfiltered})
 
     # -- AdmissionGate ---------------------------------------------------------------------
     def queued(self) -> int:
@@ -265,6 +272,21 @@ class FlowControl(Plugin):
             await asyncio.sleep(self.p.poll_s)
             if not self.queue.is_empty():
                 self._pump()
+
+    # -- Filter ----------------------------------------------------------------------------
+    def filter(self, req: InferenceRequest, state: CycleState,
+               eps: Sequence[Endpoint]) -> Sequence[Endpoint]:
+        """Late binding keeps its promise: the scheduler picks among the engines with a free
+        slot (the gate admitted the request because one has), so a request is not sent to a
+        full engine's own queue for its prefix or session pin; all of ``eps`` when none has
+        (then the engines queue, as without flow control)."""
+        if not eps:
+            return eps
+        free = self.saturation.unsaturated(eps, time.monotonic())
+        if free:
+            return free
+        self.unfiltered += 1
+        return eps
 
     # -- hooks -----------------------------------------------------------------------------
     async def before_dispatch(self, req: InferenceRequest, state: CycleState,

@@ -112,6 +112,19 @@ class Saturation:
         return FleetView(views, sum(v.free for v in serving),
                          sum(v.free for v in prefill) if prefill else None, capacity, stale)
 
+    def unsaturated(self, eps: Sequence[Endpoint], now: float) -> list[Endpoint]:
+        """The engines of ``eps`` that take a request now (no learning, nothing forgotten:
+        ``eps`` may be a profile's subset)."""
+        out = []
+        for ep in eps:
+            learned = self._learned.get(ep.id)
+            limit = self.p.initial_in_flight_per_engine if learned is None else learned.limit
+            scraped = ep.metrics.scraped_at
+            fresh = scraped is not None and now - scraped <= self.p.metrics_stale_s
+            if self._saturated(ep, limit, fresh) is None:
+                out.append(ep)
+        return out
+
     def _engine(self, ep: Endpoint, now: float) -> EngineView:
         learned = self._learned.get(ep.id)
         if learned is None:
