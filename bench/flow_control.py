@@ -82,6 +82,9 @@ def _config(urls: Sequence[str], port: int, root: Path, setup: Setup) -> Path:
                                 "management": None}
         plugins.append(plugin)
     data["plugins"] = plugins
+    if setup.flow is None:  # and out of the profiles (its filter)
+        for profile in data["profiles"]:
+            profile["plugins"] = [r for r in profile["plugins"] if r["ref"] != "flow-control"]
     path = root / "kvgate.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

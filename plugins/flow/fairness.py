@@ -8,7 +8,8 @@ service per agent session (least attained service), both bounded LRU maps.
   rate. A request is charged its prompt estimate when it leaves the queue (a burst cannot go
   all at once) and corrected with its real usage. A tenant that becomes backlogged is lifted to
   the smallest counter of the backlogged tenants (else to the last served counter): credit is
-  not banked while idle.
+  not banked while idle. With ``redis_url`` each replica also adds the tokens the other
+  replicas served (plugins/flow/shared.py): the counters are the fleet's, not the replica's.
 * **Sessions (LAS).** Within a tenant, the queued request whose session has been served the
   fewest tokens goes first (new and short agent sessions are not stuck behind long ones), aged
   by its wait (``aging_tokens_per_s``) so that no session starves.
@@ -30,6 +31,9 @@ class Fairness:
         self._vtc: OrderedDict[str, float] = OrderedDict()
         self._sessions: OrderedDict[tuple[str, str], float] = OrderedDict()
         self._last_served = 0.0
+        #: Tokens served through this replica by tenant (cumulative, counter units before the
+        #: weight): what it publishes to the other replicas (plugins/flow/shared.py).
+        self.own: OrderedDict[str, float] = OrderedDict()
         self.evicted_tenants = 0
         self.evicted_sessions = 0
 
@@ -48,6 +52,18 @@ class Fairness:
         """Charge ``tenant`` ``tokens`` (negative: a correction) in its own units."""
         value = self.counter(tenant) + tokens / self.weight(tenant)
         self._set(tenant, value)
+
+    def used(self, tenant: str, tokens: float) -> None:
+        """Real usage served here (published to the other replicas)."""
+        self.own[tenant] = self.own.get(tenant, 0.0) + tokens
+        self.own.move_to_end(tenant)
+        while len(self.own) > self.p.max_tenants:
+            self.own.popitem(last=False)
+
+    def remote(self, deltas: dict[str, float]) -> None:
+        """Tokens the other replicas served since the last exchange, by tenant."""
+        for tenant, tokens in deltas.items():
+            self.served(tenant, tokens)
 
     def dequeued(self, tenant: str) -> None:
         """``tenant``'s request was taken: its counter is the virtual time now."""

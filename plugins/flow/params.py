@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 #: Live priority bands, highest first; ``background`` (deferred work run through the loopback:
 #: queued requests, background responses, batch lines) sits below all of them and is never
@@ -125,6 +125,20 @@ class FlowParams(BaseModel):
     poll_s: float = Field(0.05, gt=0, le=5)
     #: [s] Sent as ``Retry-After`` (whole seconds, at least 1).
     retry_after_s: float = Field(1.0, gt=0)
+
+    # -- replicas (plugins/flow/shared.py) -------------------------------------------------
+    #: Share the tenants' served tokens with the other replicas on this Redis (default: the
+    #: config's ``shared_state``, i.e. ``kvgate serve --redis``; may hold a password, never
+    #: logged).
+    redis_url: SecretStr | None = None
+    redis_prefix: str = Field("kvgate:flow:", min_length=1, max_length=64)
+    #: [s] Publish/read period: 0.2 s, as the token-load exchange (a fairness decision lags
+    #: the other replicas by less than one typical request).
+    share_interval_s: float = Field(0.2, gt=0, le=60)
+    #: [s] A replica's figures expire after this: five missed rounds.
+    share_ttl_s: float = Field(1.0, gt=0, le=600)
+    #: [s] Bound on one exchange round (two round trips plus event-loop lag).
+    redis_timeout_s: float = Field(0.5, gt=0, le=30)
 
     @field_validator("bands")
     @classmethod

@@ -42,12 +42,13 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from importlib.util import find_spec
 from typing import ClassVar
 
 from prometheus_client.registry import Collector
 
 from middleware.access_log import add_log_field
-from middleware.errors import BadRequest, HTTPError, Overloaded, RateLimited
+from middleware.errors import BadRequest, ConfigError, HTTPError, Overloaded, RateLimited
 from middleware.loopback import Loopback
 from middleware.plugin import Plugin, PluginLookup
 from middleware.tasks import cancel_and_wait
@@ -65,6 +66,8 @@ from plugins.flow.metrics import FlowMetrics, TenantLabels
 from plugins.flow.params import BACKGROUND, BANDS, LIVE_BANDS, FlowParams, band_rank
 from plugins.flow.queue import FlowQueue, Waiter
 from plugins.flow.saturation import FleetView, Saturation
+from plugins.flow.shared import exchange
+from plugins.shared_load import LoadExchange
 
 log = logging.getLogger("kvgate.flow")
 ANONYMOUS = "anonymous"
@@ -99,6 +102,8 @@ class FlowControl(Plugin):
 
     def __init__(self, name: str, params: FlowParams, plugins: PluginLookup) -> None:
         super().__init__(name, params, plugins)
+        if params.redis_url is not None and find_spec("redis") is None:
+            raise ConfigError("redis_url needs the 'redis' package (pip install 'kvgate[redis]')")
         self.p = params
         self.fair = Fairness(params)
         self.queue = FlowQueue(params, self.fair)
@@ -114,12 +119,15 @@ class FlowControl(Plugin):
         self._task: asyncio.Task[None] | None = None
         self._labels = TenantLabels(params.max_tenant_labels)
         self._cuts = self._probes = 0
+        #: The fairness exchange with the other replicas (``redis_url``), once started.
+        self.shared: LoadExchange | None = None
         #: Schedulings where every candidate engine was saturated (the filter kept them all).
         self.unfiltered = 0
         self.metrics = FlowMetrics(
             lambda: self._last_view, self.queue.queued, BANDS,
             lambda: {"tenant": self.fair.evicted_tenants, "session": self.fair.evicted_sessions,
-                     "filter_kept_all": self.unfiltered})
+                     "filter_kept_all": self.unfiltered},
+            lambda: self.shared)
 
     # -- AdmissionGate ---------------------------------------------------------------------
     def queued(self) -> int:
@@ -309,6 +317,8 @@ class FlowControl(Plugin):
             ticket.corrected = True
             cost -= self.fair.cost(ticket.tokens, 0)
         self.fair.served(ticket.tenant, cost)
+        self.fair.used(ticket.tenant, self.fair.cost(usage.prompt_tokens,
+                                                     usage.completion_tokens))
         self.fair.session_served(ticket.tenant, ticket.session,
                                  usage.prompt_tokens + usage.completion_tokens)
 
@@ -334,11 +344,18 @@ class FlowControl(Plugin):
     async def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._tick(), name=f"kvgate-flow-{self.name}")
+        if self.shared is None:
+            self.shared = exchange(self.p, self.fair)
+            if self.shared is not None:
+                self.shared.start()
 
     async def stop(self) -> None:
         if self._task is not None:
             await cancel_and_wait(self._task)
             self._task = None
+        shared, self.shared = self.shared, None
+        if shared is not None:
+            await shared.stop()
         for seq, future in list(self._futures.items()):  # shutting down: nobody is admitted
             with contextlib.suppress(asyncio.InvalidStateError):
                 self._errors[seq] = Overloaded("the gateway is shutting down",
@@ -356,6 +373,8 @@ class FlowControl(Plugin):
             "pending": self.pending, "tenants": self.fair.tenants(),
             "sessions": self.fair.sessions(),
         }
+        if self.shared is not None:
+            out.update(self.shared.health())
         if view is not None:
             out["capacity"] = view.capacity
             out["free"] = view.free() - self.pending

@@ -202,3 +202,24 @@ def test_flow_control_is_on_in_the_quick_start() -> None:
     assert any(p.type == "flow-control" for p in config.plugins)
     app = create_app(config)
     assert len(app.pipeline.gates) == 1
+
+
+async def test_replicas_share_the_tenants_served_tokens(redis_db: Any) -> None:
+    """Two replicas on one Redis: what tenant A was served through replica 1 raises A's
+    counter on replica 2, so replica 2 puts B first."""
+    async with sim_fleet(1) as sims:
+        data = _flow_config([sims[0].url], max_in_flight_per_engine=8,
+                            redis_url=redis_db.url, share_interval_s=0.05)
+        async with gateway(data) as (app1, c1), gateway(data) as (app2, _):
+            one, two = _flow(app1), _flow(app2)
+            answers = await asyncio.gather(*(c1.post(CHAT, json=_body(f"a{i}", 32))
+                                             for i in range(4)))
+            assert all(r.status_code == 200 for r in answers)
+            served = one.fair.own["anonymous"]
+            assert served > 0
+            await _until(lambda: two.fair.counter("anonymous") >= served)
+            assert two.fair.counter("anonymous") > two.fair.counter("B")
+            health = (await c1.get("/health")).json()["plugins"]["flow-control"]
+            assert health["shared_load"] == "ok"
+            metrics = (await c1.get("/metrics")).text
+            assert "kvgate_flow_shared_down 0.0" in metrics
