@@ -4,7 +4,7 @@
 
 Scenarios (``--scenario``), each a same-run comparison (systems rotated per trial):
 
-* ``noisy`` -- noisy neighbour: tenant B runs ``--b-sessions`` interactive agent sessions
+* ``noisy`` -- noisy neighbour: tenant B runs ``--b-sessions`` agent sessions from the start
   (streaming, ``x-session-affinity``, history growing per turn); tenant A floods with
   ``--a-concurrency`` non-streaming requests in flight (10x its share of the fleet's
   ``engines x 16`` slots). Cells: B alone and B + A, with flow control ``off`` (the
@@ -132,6 +132,8 @@ class Tally:
     statuses: Counter[int] = field(default_factory=Counter)
     retry_after_missing: int = 0
     sessions_done: list[float] = field(default_factory=list)
+    #: TTFTs of requests sent before this (time.monotonic()) are not recorded (warm-up).
+    measure_from: float = 0.0
 
 
 async def _call(session: aiohttp.ClientSession, url: str, key: str, body: dict[str, Any],
@@ -152,7 +154,8 @@ async def _call(session: aiohttp.ClientSession, url: str, key: str, body: dict[s
         seen = False
         async for line in resp.content:
             if not seen and line.startswith(b"data: ") and b'"content"' in line:
-                tally.ttfts.append(time.monotonic() - start)
+                if start >= tally.measure_from:
+                    tally.ttfts.append(time.monotonic() - start)
                 seen = True
         return True
 
@@ -227,17 +230,15 @@ def summary(t: Tally) -> dict[str, Any]:
 
 async def _noisy_cell(url: str, urls: Sequence[str], keys: dict[str, str], flood_on: bool,
                       args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    a, b = Tally(), Tally()
+    """B's sessions run from the start; A's flood (if any) starts 2 s later; B's TTFTs count
+    from ``warmup`` on (A's backlog built up, the gateway's limits learned)."""
     now = time.monotonic()
+    a, b = Tally(), Tally(measure_from=now + args.warmup)
     stop = now + args.warmup + args.duration
-    tasks = []
+    tasks = [agent(url, keys["B"], f"b-{seed}-{i}", 10_000, 300, 32, 0.3, stop, b, seed + i)
+             for i in range(args.b_sessions)]
     if flood_on:
-        tasks.append(flood(url, keys["A"], args.a_concurrency, stop, a, seed))
-        await asyncio.sleep(args.warmup)
-    else:
-        stop = now + args.duration
-    tasks += [agent(url, keys["B"], f"b-{seed}-{i}", 10_000, 300, 32, 0.3, stop, b, seed + i)
-              for i in range(args.b_sessions)]
+        tasks.append(_later(2.0, flood(url, keys["A"], args.a_concurrency, stop, a, seed)))
     await asyncio.gather(*tasks)
     finished = await engine_finished(urls)
     ok = a.statuses[200] + b.statuses[200]
@@ -302,6 +303,10 @@ def run_sessions(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
             print(name, json.dumps(cells[name]), flush=True)
         cells["ratio_ttft_p99"] = _ratio(cells["fifo"]["all"]["ttft_p99_s"],
                                          cells["las"]["all"]["ttft_p99_s"])
+        cells["ratio_short_ttft_p99"] = _ratio(cells["fifo"]["short"]["ttft_p99_s"],
+                                               cells["las"]["short"]["ttft_p99_s"])
+        cells["las_max_ttft_s"] = cells["las"]["all"]["ttft_max_s"]
+        cells["fifo_max_ttft_s"] = cells["fifo"]["all"]["ttft_max_s"]
         cells["ratio_short_session_p50"] = _ratio(cells["fifo"]["short"]["session_time_p50_s"],
                                                   cells["las"]["short"]["session_time_p50_s"])
         trials.append(cells)
@@ -356,14 +361,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--a-concurrency", type=int, default=160,
                    help="A's requests in flight: 10x its share of engines x 16 slots / 2")
     p.add_argument("--b-sessions", type=int, default=3)
-    p.add_argument("--long-sessions", type=int, default=24)
-    p.add_argument("--short-sessions", type=int, default=24)
+    p.add_argument("--long-sessions", type=int, default=40,
+                   help="closed loops, more than the fleet's slots: the fleet stays saturated")
+    p.add_argument("--short-sessions", type=int, default=40)
     p.add_argument("--root", default="/tmp/kvgate-bench-flow")
     args = p.parse_args(argv)
     run = {"noisy": run_noisy, "sessions": run_sessions, "priorities": run_priorities}
     trials = run[args.scenario](args, Path(args.root))
     keys = {"noisy": ["off/ratio_p99", "on/ratio_p99"],
-            "sessions": ["ratio_ttft_p99", "ratio_short_session_p50"],
+            "sessions": ["ratio_ttft_p99", "ratio_short_ttft_p99", "ratio_short_session_p50",
+                         "las_max_ttft_s", "fifo_max_ttft_s"],
             "priorities": ["ratio_p99"]}[args.scenario]
     medians = {k: _median(trials, k) for k in keys}
     out = {"scenario": args.scenario, "args": vars(args), "machine": machine_info(),

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ import httpx
 import pytest
 import yaml
 
+from middleware.access_log import LOGGER
 from middleware.app import KvgateApp, create_app
 from middleware.config import parse_config
 from middleware.errors import ConfigError
@@ -100,10 +103,16 @@ async def test_a_full_band_refuses_with_retry_after_in_the_api_shape(
             in metrics
 
 
-async def test_ttl_expiry_refuses_and_nothing_is_dispatched() -> None:
+async def test_ttl_expiry_refuses_and_nothing_is_dispatched(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
     async with _held(bands={"standard": {"ttl_s": 0.2}}) as (app, client, _):
         engine_before = app.pool.snapshot()[0].in_flight_requests
-        resp = await client.post(CHAT, json=_body("late"))
+        resp = await client.post(CHAT, json=_body("late"), headers={"x-request-id": "late-1"})
+        line = next(json.loads(r.getMessage()) for r in caplog.records
+                    if r.name == LOGGER and "late-1" in r.getMessage())
+        assert line["flow_band"] == "standard" and line["flow_shed"] == "flow_ttl"
+        assert line["flow_wait_ms"] >= 200
         # one tenant holding the whole fleet: its own excess -> 429
         assert resp.status_code == 429 and resp.json()["error"]["code"] == "flow_ttl"
         assert "retry-after" in resp.headers
