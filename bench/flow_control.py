@@ -15,6 +15,8 @@ Scenarios (``--scenario``), each a same-run comparison (systems rotated per tria
   (many turns, long context) and ``--short-sessions`` short ones, all closed loops, behind
   flow control with ``session_order: las`` vs ``fifo``. Reported: TTFT p99 and max, short
   sessions' completion time (median, p90).
+* ``replicas`` -- the noisy neighbour through 1 gateway vs 2 replicas sharing fairness through
+  Redis (and 2 without): B's TTFT p99 ratio to B alone on 1 replica.
 * ``priorities`` -- interactive streams alone vs with a saturating ``batch`` band (requests
   with ``x-kvgate-priority: batch``); flow control on. Reported: interactive TTFT p99 ratio.
 
@@ -46,6 +48,7 @@ import yaml
 
 from bench import procs
 from bench.harness import machine_info
+from bench.replicas import redis_running
 from middleware.quickstart import QuickStart, quick_start_config
 from plugins.keys_model import hash_key, new_key
 
@@ -60,13 +63,17 @@ class Setup:
     max_num_seqs: int = 16
     #: flow-control params; None: the plugin removed (no flow control).
     flow: dict[str, Any] | None = field(default_factory=dict)
+    #: Gateway replicas in front of the same engines; ``redis``: share fairness through one.
+    replicas: int = 1
+    redis: bool = False
 
 
 def _text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def _config(urls: Sequence[str], port: int, root: Path, setup: Setup) -> Path:
+def _config(urls: Sequence[str], port: int, root: Path, setup: Setup,
+            redis: str | None = None, replica: int = 0) -> Path:
     data = quick_start_config(QuickStart(engines=tuple(urls))).model_dump(
         mode="json", exclude={"source"})
     data["server"].update({"host": "127.0.0.1", "port": port, "log_level": "warning"})
@@ -76,16 +83,16 @@ def _config(urls: Sequence[str], port: int, root: Path, setup: Setup) -> Path:
         if plugin["type"] == "flow-control":
             if setup.flow is None:
                 continue
-            plugin["params"] = setup.flow
+            plugin["params"] = {**setup.flow, **({"redis_url": redis} if redis else {})}
         if plugin["type"] == "async-queue":
-            plugin["params"] = {"backend": f"sqlite://{root.resolve()}/jobs.sqlite",
+            plugin["params"] = {"backend": f"sqlite://{root.resolve()}/jobs-{replica}.sqlite",
                                 "management": None}
         plugins.append(plugin)
     data["plugins"] = plugins
     if setup.flow is None:  # and out of the profiles (its filter)
         for profile in data["profiles"]:
             profile["plugins"] = [r for r in profile["plugins"] if r["ref"] != "flow-control"]
-    path = root / "kvgate.yaml"
+    path = root / f"kvgate-{replica}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
 
@@ -101,6 +108,14 @@ def _keys(root: Path) -> dict[str, str]:
 @contextlib.contextmanager
 def system(root: Path, setup: Setup) -> Iterator[tuple[str, list[str], dict[str, str]]]:
     """Fresh engines and a gateway; yields (gateway URL, engine URLs, tenant keys)."""
+    with systems(root, setup) as (gateways, urls, keys):
+        yield gateways[0], urls, keys
+
+
+@contextlib.contextmanager
+def systems(root: Path, setup: Setup) -> Iterator[tuple[list[str], list[str], dict[str, str]]]:
+    """Fresh engines and ``setup.replicas`` gateways (and a Redis when ``setup.redis``);
+    yields (gateway URLs, engine URLs, tenant keys)."""
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     keys = _keys(root)
@@ -116,14 +131,21 @@ def system(root: Path, setup: Setup) -> Iterator[tuple[str, list[str], dict[str,
             url = f"http://127.0.0.1:{port}"
             procs.wait_healthy(url + "/health", proc, 30, log)
             urls.append(url)
-        port = procs.free_port()
+        redis = stack.enter_context(redis_running(root)) if setup.redis else None
         kvgate = str(Path(sys.executable).with_name("kvgate"))
-        argv = [kvgate, "serve", "--config", str(_config(urls, port, root, setup))]
-        log = root / "kvgate.log"
-        proc = stack.enter_context(procs.running(argv, "0-1", log))
-        url = f"http://127.0.0.1:{port}"
-        procs.wait_healthy(url + "/health", proc, 60, log)
-        yield url, urls, keys
+        gateways = []
+        for r in range(setup.replicas):
+            port = procs.free_port()
+            cwd = root / f"r{r}"
+            cwd.mkdir()
+            config = _config(urls, port, root, setup, redis, r)
+            log = root / f"kvgate-{r}.log"
+            proc = stack.enter_context(procs.running(
+                [kvgate, "serve", "--config", str(config.resolve())], "0-1", log, cwd=cwd))
+            url = f"http://127.0.0.1:{port}"
+            procs.wait_healthy(url + "/health", proc, 60, log)
+            gateways.append(url)
+        yield gateways, urls, keys
 
 
 @dataclass
@@ -346,6 +368,51 @@ def run_priorities(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]
     return trials
 
 
+async def _replicas_cell(gateways: Sequence[str], urls: Sequence[str], keys: dict[str, str],
+                         flood_on: bool, args: argparse.Namespace,
+                         seed: int) -> dict[str, Any]:
+    """As the noisy cell, with B's sessions and A's flood loops spread over the replicas."""
+    now = time.monotonic()
+    a, b = Tally(), Tally(measure_from=now + args.warmup)
+    stop = now + args.warmup + args.duration
+    n = len(gateways)
+    tasks = [agent(gateways[i % n], keys["B"], f"b-{seed}-{i}", 10_000, 300, 32, 0.3, stop, b,
+                   seed + i) for i in range(args.b_sessions)]
+    if flood_on:
+        share = args.a_concurrency // n
+        tasks += [_later(2.0, flood(g, keys["A"], share, stop, a, seed + k))
+                  for k, g in enumerate(gateways)]
+    await asyncio.gather(*tasks)
+    finished = await engine_finished(urls)
+    ok = a.statuses[200] + b.statuses[200]
+    return {"B": summary(b), "A": summary(a), "engine_finished": finished, "client_200": ok,
+            "exactly_once": finished == ok}
+
+
+def run_replicas(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
+    """B's TTFT ratio (flood / alone) through 1 replica vs 2 replicas sharing Redis (and 2
+    without): N replicas behaving like one means the same ratio."""
+    cells_of = [("1r/alone", Setup(args.engines), False),
+                ("1r/flood", Setup(args.engines), True),
+                ("2r-redis/flood", Setup(args.engines, replicas=2, redis=True), True),
+                ("2r-local/flood", Setup(args.engines, replicas=2), True)]
+    trials = []
+    for trial in range(args.trials):
+        order = cells_of if trial % 2 == 0 else [cells_of[0], *reversed(cells_of[1:])]
+        cells: dict[str, Any] = {}
+        for label, setup, flood_on in order:
+            with systems(root, setup) as (gateways, urls, keys):
+                cells[label] = asyncio.run(_replicas_cell(gateways, urls, keys, flood_on, args,
+                                                          100 * trial + 11))
+            print(label, json.dumps(cells[label]["B"]), cells[label]["A"]["statuses"],
+                  "exactly_once", cells[label]["exactly_once"], flush=True)
+        base = cells["1r/alone"]["B"]["ttft_p99_s"]
+        for label in ("1r/flood", "2r-redis/flood", "2r-local/flood"):
+            cells[f"{label}/ratio_p99"] = _ratio(cells[label]["B"]["ttft_p99_s"], base)
+        trials.append(cells)
+    return trials
+
+
 def _median(trials: list[dict[str, Any]], key: str) -> float | None:
     values = [t[key] for t in trials if t.get(key) is not None]
     return statistics.median(values) if values else None
@@ -353,7 +420,8 @@ def _median(trials: list[dict[str, Any]], key: str) -> float | None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--scenario", choices=["noisy", "sessions", "priorities"], default="noisy")
+    p.add_argument("--scenario", choices=["noisy", "sessions", "priorities", "replicas"],
+                   default="noisy")
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--duration", type=float, default=30.0, help="measured seconds per cell")
@@ -366,12 +434,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--short-sessions", type=int, default=40)
     p.add_argument("--root", default="/tmp/kvgate-bench-flow")
     args = p.parse_args(argv)
-    run = {"noisy": run_noisy, "sessions": run_sessions, "priorities": run_priorities}
+    run = {"noisy": run_noisy, "sessions": run_sessions, "priorities": run_priorities,
+           "replicas": run_replicas}
     trials = run[args.scenario](args, Path(args.root))
     keys = {"noisy": ["off/ratio_p99", "on/ratio_p99"],
             "sessions": ["ratio_ttft_p99", "ratio_short_ttft_p99", "ratio_short_session_p50",
                          "las_max_ttft_s", "fifo_max_ttft_s"],
-            "priorities": ["ratio_p99"]}[args.scenario]
+            "priorities": ["ratio_p99"],
+            "replicas": ["1r/flood/ratio_p99", "2r-redis/flood/ratio_p99",
+                         "2r-local/flood/ratio_p99"]}[args.scenario]
     medians = {k: _median(trials, k) for k in keys}
     out = {"scenario": args.scenario, "args": vars(args), "machine": machine_info(),
            "calibration": "engines/sim --time-scale 1 (H100_TIMING.md), --max-num-seqs 16",

@@ -65,12 +65,14 @@ class FlowParams(BaseModel):
     #: showing more than ``max_engine_waiting`` queued, limit = in flight here x
     #: (running + allowed waiting) / (running + waiting) (this replica's share of what the
     #: engine runs: N replicas converge on the engine's batch size together); on a scrape
-    #: showing the engine full (running >= limit) with no queue, +1 at most every
+    #: showing this gateway at its limit and no queue: x2 before the first cut (slow start),
+    #: +1 while the engine runs fewer than it did when it last queued, else +1 at most every
     #: ``probe_interval_s``.
     learn: bool = True
-    #: [s] Additive increase at most this often: 30 s keeps the probe's queued request rare
-    #: (one scrape period in 15 at the 2 s default).
-    probe_interval_s: float = Field(30.0, gt=0)
+    #: [s] Probe past the engine's observed batch size (+1) at most this often: the probe
+    #: queues one request in the engine for a scrape period, so rarely: 300 s (below the
+    #: observed size the limit rises on every scrape that shows a free seat).
+    probe_interval_s: float = Field(300.0, gt=0)
     #: [s] Scraped metrics older than this are ignored (gateway counters only), with a WARNING,
     #: ``/health`` and ``kvgate_flow_stale_engines``: 5 scrape periods at the 2 s default.
     metrics_stale_s: float = Field(10.0, gt=0)

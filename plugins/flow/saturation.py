@@ -16,7 +16,9 @@ token bound (``tokens``), or -- with learning off -- it reported more than
 The limit starts at ``initial_in_flight_per_engine`` and is learned (see FlowParams.learn): a
 scrape showing a queue in the engine cuts it to this gateway's share of what the engine runs; a
 scrape showing the engine full without a queue doubles it until the first cut (slow start),
-then raises it by one at most every ``probe_interval_s``, never past
+then raises it by one while the engine runs fewer requests than it did when it last queued
+(its observed batch size: a free seat, e.g. another replica left), and past that by one at
+most every ``probe_interval_s`` (the batch may have grown), never past
 ``max_in_flight_per_engine`` (with ``learn: false`` the limit is that, fixed). So a gateway
 in front of a 16-sequence engine converges on 16, and N replicas in front of it on about
 16 / N each, without talking to each other.
@@ -44,6 +46,8 @@ class _Learned:
     limit: int
     #: Slow start: the limit doubles until the engine first queues.
     slow_start: bool = True
+    #: The engine's running count the last time it queued: its batch size as observed.
+    ceiling: float | None = None
     seen_scrape: float | None = None
     last_probe: float = 0.0
     stale: bool = False
@@ -159,22 +163,29 @@ class Saturation:
         p = self.p
         allowed = p.max_engine_waiting
         if m.waiting > allowed:
+            learned.ceiling = m.running
             share = ep.in_flight_requests * (m.running + allowed) / (m.running + m.waiting)
-            cut = max(p.min_in_flight_per_engine, min(learned.limit, int(share)))
+            # this replica's share of the engine's batch, but never below the limit less the
+            # queue (the in-flight count moved since the scrape: a probe's one queued request
+            # costs one slot, not a rounding's two)
+            cut = max(round(share), learned.limit - int(m.waiting - allowed))
+            cut = max(p.min_in_flight_per_engine, min(learned.limit, cut))
             if cut < learned.limit:
                 self.cuts += 1
                 log.info("flow control: engine %s queues %d requests: limit %d -> %d",
                          ep.id, int(m.waiting), learned.limit, cut)
                 learned.limit = cut
-            learned.last_probe, learned.slow_start = now, False
+            learned.slow_start = False
         elif ep.in_flight_requests >= learned.limit and learned.limit < p.max_in_flight_per_engine:
             if learned.slow_start:
                 learned.limit = min(p.max_in_flight_per_engine, 2 * learned.limit)
+            elif learned.ceiling is not None and m.running < learned.ceiling - 0.5:
+                learned.limit += 1  # the engine reports a free seat: no queue expected
             elif now - learned.last_probe >= p.probe_interval_s:
-                learned.limit += 1
+                learned.limit += 1  # past the observed batch size: it may have grown
+                learned.last_probe = now
             else:
                 return
-            learned.last_probe = now
             self.probes += 1
 
     def _saturated(self, ep: Endpoint, limit: int, fresh: bool) -> str | None:

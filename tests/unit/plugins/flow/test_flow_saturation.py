@@ -61,10 +61,20 @@ def test_limit_is_learned_from_the_engine_queue_and_probed_up() -> None:
 
 
 def test_replicas_learn_their_share() -> None:
-    """Two replicas with 16 each on a 16-sequence engine: each cuts to 8."""
+    """Two replicas with 16 each on a 16-sequence engine: each cuts to 16 (the limit less the
+    queue), then to 8 (its share); when the other replica leaves, the engine shows free seats
+    below its observed batch size and the limit climbs back, one per scrape."""
     sat = Saturation(FlowParams())
     view = sat.view([_ep(in_flight=16, running=16, waiting=16, scraped_at=1.0)], 1.0)
+    assert view.engines[0].limit == 16
+    view = sat.view([_ep(in_flight=16, running=16, waiting=16, scraped_at=2.0)], 2.0)
     assert view.engines[0].limit == 8
+    for t in range(3, 11):
+        view = sat.view([_ep(in_flight=view.engines[0].limit, running=view.engines[0].limit,
+                             waiting=0, scraped_at=float(t))], float(t))
+    assert view.engines[0].limit == 16
+    view = sat.view([_ep(in_flight=16, running=16, waiting=0, scraped_at=12.0)], 12.0)
+    assert view.engines[0].limit == 16  # at the observed batch size: no probe before 300 s
 
 
 def test_pools_saturate_separately() -> None:
