@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import random
 import shutil
 import statistics
@@ -221,6 +222,41 @@ async def flood(url: str, key: str, concurrency: int, stop: float, tally: Tally,
     await asyncio.gather(*(loop(i) for i in range(concurrency)))
 
 
+def _flood_proc(url: str, key: str, concurrency: int, stop: float, seed: int,
+                headers: dict[str, str] | None, out: Any) -> None:
+    """:func:`flood` in its own process (its 100+ connections off the measuring client's event
+    loop); puts its status counts on ``out``."""
+    tally = Tally()
+    asyncio.run(flood(url, key, concurrency, stop, tally, seed, headers))
+    out.put(dict(tally.statuses))
+
+
+@contextlib.asynccontextmanager
+async def flood_process(url: str, key: str, concurrency: int, stop: float, seed: int,
+                        tally: Tally, headers: dict[str, str] | None = None,
+                        delay_s: float = 0.0) -> Any:
+    """Run a flood in a child process (time.monotonic is system-wide) while the block runs;
+    its statuses land in ``tally`` when it ends."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    await asyncio.sleep(0)
+    proc = ctx.Process(target=_delayed_flood, args=(
+        url, key, concurrency, stop, seed, headers, out, delay_s))
+    proc.start()
+    try:
+        yield
+    finally:
+        statuses = await asyncio.to_thread(out.get, True, 900)
+        await asyncio.to_thread(proc.join, 30)
+        tally.statuses.update({int(k): v for k, v in statuses.items()})
+
+
+def _delayed_flood(url: str, key: str, concurrency: int, stop: float, seed: int,
+                   headers: dict[str, str] | None, out: Any, delay_s: float) -> None:
+    time.sleep(delay_s)
+    _flood_proc(url, key, concurrency, stop, seed, headers, out)
+
+
 async def engine_finished(urls: Sequence[str]) -> float:
     """The engines' finished requests (``vllm:request_success_total``), all reasons."""
     total = 0.0
@@ -259,9 +295,11 @@ async def _noisy_cell(url: str, urls: Sequence[str], keys: dict[str, str], flood
     stop = now + args.warmup + args.duration
     tasks = [agent(url, keys["B"], f"b-{seed}-{i}", 10_000, 300, 32, 0.3, stop, b, seed + i)
              for i in range(args.b_sessions)]
-    if flood_on:
-        tasks.append(_later(2.0, flood(url, keys["A"], args.a_concurrency, stop, a, seed)))
-    await asyncio.gather(*tasks)
+    async with contextlib.AsyncExitStack() as stack:
+        if flood_on:
+            await stack.enter_async_context(flood_process(
+                url, keys["A"], args.a_concurrency, stop, seed, a, delay_s=2.0))
+        await asyncio.gather(*tasks)
     finished = await engine_finished(urls)
     ok = a.statuses[200] + b.statuses[200]
     return {"B": summary(b), "A": summary(a), "engine_finished": finished, "client_200": ok,
@@ -297,7 +335,7 @@ async def _sessions_cell(url: str, keys: dict[str, str], args: argparse.Namespac
                          seed: int) -> dict[str, Any]:
     longs, shorts = Tally(), Tally()
     stop = time.monotonic() + args.duration
-    tasks = [agent(url, keys["A"], f"long-{seed}-{i}", 10_000, 1500, 64, 0.0, stop, longs,
+    tasks = [agent(url, keys["A"], f"long-{seed}-{i}", 10_000, 1500, 32, 0.0, stop, longs,
                    seed + i) for i in range(args.long_sessions)]
     tasks += [_later(i * args.duration / (args.short_sessions + 1),
                      agent(url, keys["A"], f"short-{seed}-{i}", 3, 100, 32, 0.0, stop + 120,
@@ -339,16 +377,17 @@ async def _priorities_cell(url: str, keys: dict[str, str], batch_on: bool,
                            args: argparse.Namespace, seed: int) -> dict[str, Any]:
     inter, batch = Tally(), Tally()
     now = time.monotonic()
-    stop = now + args.duration + (args.warmup if batch_on else 0)
-    tasks = []
-    if batch_on:
-        tasks.append(flood(url, keys["A"], args.a_concurrency, stop, batch, seed,
-                           {"x-kvgate-priority": "batch"}))
-        await asyncio.sleep(args.warmup)
-    tasks += [agent(url, keys["B"], f"i-{seed}-{i}", 10_000, 300, 32, 0.3, stop, inter,
-                    seed + i, {"x-kvgate-priority": "interactive"})
-              for i in range(args.b_sessions)]
-    await asyncio.gather(*tasks)
+    stop = now + args.duration + args.warmup
+    inter.measure_from = now + args.warmup
+    tasks = [agent(url, keys["B"], f"i-{seed}-{i}", 10_000, 300, 32, 0.3, stop, inter,
+                   seed + i, {"x-kvgate-priority": "interactive"})
+             for i in range(args.b_sessions)]
+    async with contextlib.AsyncExitStack() as stack:
+        if batch_on:
+            await stack.enter_async_context(flood_process(
+                url, keys["A"], args.a_concurrency, stop, seed, batch,
+                {"x-kvgate-priority": "batch"}, delay_s=2.0))
+        await asyncio.gather(*tasks)
     return {"interactive": summary(inter), "batch": summary(batch)}
 
 
@@ -378,11 +417,12 @@ async def _replicas_cell(gateways: Sequence[str], urls: Sequence[str], keys: dic
     n = len(gateways)
     tasks = [agent(gateways[i % n], keys["B"], f"b-{seed}-{i}", 10_000, 300, 32, 0.3, stop, b,
                    seed + i) for i in range(args.b_sessions)]
-    if flood_on:
-        share = args.a_concurrency // n
-        tasks += [_later(2.0, flood(g, keys["A"], share, stop, a, seed + k))
-                  for k, g in enumerate(gateways)]
-    await asyncio.gather(*tasks)
+    async with contextlib.AsyncExitStack() as stack:
+        if flood_on:
+            for k, g in enumerate(gateways):
+                await stack.enter_async_context(flood_process(
+                    g, keys["A"], args.a_concurrency // n, stop, seed + k, a, delay_s=2.0))
+        await asyncio.gather(*tasks)
     finished = await engine_finished(urls)
     ok = a.statuses[200] + b.statuses[200]
     return {"B": summary(b), "A": summary(a), "engine_finished": finished, "client_200": ok,
@@ -429,7 +469,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--a-concurrency", type=int, default=160,
                    help="A's requests in flight: 10x its share of engines x 16 slots / 2")
     p.add_argument("--b-sessions", type=int, default=3)
-    p.add_argument("--long-sessions", type=int, default=40,
+    p.add_argument("--long-sessions", type=int, default=64,
                    help="closed loops, more than the fleet's slots: the fleet stays saturated")
     p.add_argument("--short-sessions", type=int, default=40)
     p.add_argument("--root", default="/tmp/kvgate-bench-flow")
