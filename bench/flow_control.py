@@ -50,8 +50,8 @@ import yaml
 from bench import procs
 from bench.harness import machine_info
 from bench.replicas import redis_running
-from middleware.quickstart import QuickStart, quick_start_config
-from plugins.keys_model import hash_key, new_key
+from kvgate.middleware.quickstart import QuickStart, quick_start_config
+from kvgate.plugins.tenancy.keys_model import hash_key, new_key
 
 MODEL = "sim-model"
 WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa",
@@ -124,7 +124,7 @@ def systems(root: Path, setup: Setup) -> Iterator[tuple[list[str], list[str], di
         urls = []
         for i in range(setup.engines):
             port = procs.free_port()
-            argv = [sys.executable, "-m", "engines.sim", "--port", str(port), "--engine-id",
+            argv = [sys.executable, "-m", "kvgate.engines.sim", "--port", str(port), "--engine-id",
                     f"engine-{i}", "--model", MODEL, "--time-scale", "1", "--seed", str(i),
                     "--max-num-seqs", str(setup.max_num_seqs), "--capacity-blocks", "27000"]
             log = root / f"e{i}.log"

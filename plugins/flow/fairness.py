@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from plugins.flow.params import FlowParams
+from kvgate.plugins.flow.params import FlowParams
 
 
 class Fairness:

@@ -14,8 +14,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from plugins.flow.saturation import FleetView
-from plugins.shared_load import LoadExchange
+from kvgate.plugins.flow.saturation import FleetView
+from kvgate.plugins.load.shared_load import LoadExchange
 
 #: Wait buckets [s]: from the fast path's sub-millisecond to the 60 s TTL.
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

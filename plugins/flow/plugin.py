@@ -47,12 +47,15 @@ from typing import ClassVar
 
 from prometheus_client.registry import Collector
 
-from middleware.access_log import add_log_field
-from middleware.errors import BadRequest, ConfigError, HTTPError, Overloaded, RateLimited
-from middleware.loopback import Loopback
-from middleware.plugin import Plugin, PluginLookup
-from middleware.tasks import cancel_and_wait
-from middleware.types import (
+from kvgate.middleware.framework.errors import (
+    BadRequest,
+    ConfigError,
+    HTTPError,
+    Overloaded,
+    RateLimited,
+)
+from kvgate.middleware.framework.plugin import Plugin, PluginLookup
+from kvgate.middleware.framework.types import (
     CycleState,
     Endpoint,
     InferenceRequest,
@@ -61,13 +64,16 @@ from middleware.types import (
     Usage,
     add_response_header,
 )
-from plugins.flow.fairness import Fairness
-from plugins.flow.metrics import FlowMetrics, TenantLabels
-from plugins.flow.params import BACKGROUND, BANDS, LIVE_BANDS, FlowParams, band_rank
-from plugins.flow.queue import FlowQueue, Waiter
-from plugins.flow.saturation import FleetView, Saturation
-from plugins.flow.shared import exchange
-from plugins.shared_load import LoadExchange
+from kvgate.middleware.observe.access_log import add_log_field
+from kvgate.middleware.serving.loopback import Loopback
+from kvgate.middleware.tasks import cancel_and_wait
+from kvgate.plugins.flow.fairness import Fairness
+from kvgate.plugins.flow.metrics import FlowMetrics, TenantLabels
+from kvgate.plugins.flow.params import BACKGROUND, BANDS, LIVE_BANDS, FlowParams, band_rank
+from kvgate.plugins.flow.queue import FlowQueue, Waiter
+from kvgate.plugins.flow.saturation import FleetView, Saturation
+from kvgate.plugins.flow.shared import exchange
+from kvgate.plugins.load.shared_load import LoadExchange
 
 log = logging.getLogger("kvgate.flow")
 ANONYMOUS = "anonymous"

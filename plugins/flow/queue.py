@@ -23,8 +23,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from plugins.flow.fairness import Fairness
-from plugins.flow.params import BANDS, FlowParams
+from kvgate.plugins.flow.fairness import Fairness
+from kvgate.plugins.flow.params import BANDS, FlowParams
 
 
 @dataclass(eq=False, slots=True)

@@ -1,10 +1,10 @@
 """Saturation, measured (pure, no I/O): per engine a request limit learned from what the engine
 reports, and the free request slots of each pool.
 
-Inputs per engine (an :class:`~middleware.types.Endpoint` of the pool's snapshot): the
-gateway's own in-flight requests and prompt tokens (taken on dispatch, released on every
-outcome: exact and current), and the engine's scraped ``running`` / ``waiting`` requests, KV
-usage and KV capacity (``pool.metrics_interval_s`` old at most; ignored past
+Inputs per engine (an :class:`~kvgate.middleware.framework.types.Endpoint` of the pool's
+snapshot): the gateway's own in-flight requests and prompt tokens (taken on dispatch, released
+on every outcome: exact and current), and the engine's scraped ``running`` / ``waiting`` requests,
+KV usage and KV capacity (``pool.metrics_interval_s`` old at most; ignored past
 ``metrics_stale_s``, which shows on /health, /metrics and in a WARNING).
 
 An engine is **saturated** (takes no new request) when it is out of rotation, or the gateway
@@ -35,8 +35,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from middleware.types import KV_CAPACITY_TOKENS, Endpoint, Role
-from plugins.flow.params import FlowParams
+from kvgate.middleware.framework.types import KV_CAPACITY_TOKENS, Endpoint, Role
+from kvgate.plugins.flow.params import FlowParams
 
 log = logging.getLogger("kvgate.flow")
 

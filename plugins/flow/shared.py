@@ -3,7 +3,7 @@
 
 Each replica publishes the tokens it served per tenant (cumulative, real usage) every
 ``share_interval_s`` and adds the growth of the other replicas' figures to its own virtual
-token counters, through the same exchange the token-load scorer uses (plugins/shared_load.py:
+token counters, through the same exchange the token-load scorer uses (plugins/load/shared_load.py:
 one string per replica with a TTL, a registry sorted set, ``MGET``; no Redis I/O on the
 request path). So a tenant flooding through replica 1 is behind a light tenant on replica 2
 too: N replicas order their queues as one would.
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from plugins.flow.fairness import Fairness
-from plugins.flow.params import FlowParams
-from plugins.shared_load import CounterShare, LoadExchange, connect
+from kvgate.plugins.flow.fairness import Fairness
+from kvgate.plugins.flow.params import FlowParams
+from kvgate.plugins.load.shared_load import CounterShare, LoadExchange, connect
 
 
 def exchange(params: FlowParams, fair: Fairness) -> LoadExchange | None:

@@ -16,13 +16,13 @@ import httpx
 import pytest
 import yaml
 
-from middleware.access_log import LOGGER
-from middleware.app import KvgateApp, create_app
-from middleware.config import parse_config
-from middleware.errors import ConfigError
-from middleware.quickstart import config_from_engines
-from plugins.flow.plugin import FlowControl
-from plugins.keys_model import hash_key, new_key
+from kvgate.middleware.app import KvgateApp, create_app
+from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.errors import ConfigError
+from kvgate.middleware.observe.access_log import LOGGER
+from kvgate.middleware.quickstart import config_from_engines
+from kvgate.plugins.flow.plugin import FlowControl
+from kvgate.plugins.tenancy.keys_model import hash_key, new_key
 from tests.integration.conftest import gateway, gateway_config, sim_fleet
 
 CHAT = "/v1/chat/completions"

@@ -7,9 +7,9 @@ import random
 import pytest
 from pydantic import ValidationError
 
-from plugins.flow.fairness import Fairness
-from plugins.flow.params import FlowParams
-from plugins.flow.queue import FlowQueue, Waiter
+from kvgate.plugins.flow.fairness import Fairness
+from kvgate.plugins.flow.params import FlowParams
+from kvgate.plugins.flow.queue import FlowQueue, Waiter
 
 
 def _queue(**params: object) -> FlowQueue:
@@ -178,8 +178,8 @@ def test_params_are_validated(params: dict[str, object], message: str) -> None:
 
 def test_async_headroom_gate_stays_closed_while_live_requests_queue() -> None:
     """Deferred work sits below every live band: the async queue's gate reads the live queue."""
-    from asyncq.headroom import HeadroomParams, gate
-    from middleware.types import Endpoint
+    from kvgate.asyncq.headroom import HeadroomParams, gate
+    from kvgate.middleware.framework.types import Endpoint
     eps = [Endpoint(id="e", url="http://e", kind="vllm")]
     assert gate(eps, 0, HeadroomParams()).open
     verdict = gate(eps, 0, HeadroomParams(), live_queued=1)

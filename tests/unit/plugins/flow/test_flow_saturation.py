@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from middleware.types import KV_CAPACITY_TOKENS, Endpoint, EngineMetrics, Role
-from plugins.flow.params import FlowParams
-from plugins.flow.saturation import Saturation
+from kvgate.middleware.framework.types import KV_CAPACITY_TOKENS, Endpoint, EngineMetrics, Role
+from kvgate.plugins.flow.params import FlowParams
+from kvgate.plugins.flow.saturation import Saturation
 
 
 def _ep(name: str = "e0", in_flight: int = 0, tokens: int = 0, healthy: bool = True,
