@@ -352,7 +352,9 @@ async def _later(delay: float, work: Any) -> None:
 
 def run_sessions(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
     systems = {"fifo": Setup(args.engines, flow={"session_order": "fifo"}),
-               "las": Setup(args.engines, flow={"session_order": "las"})}
+               "las": Setup(args.engines, flow={"session_order": "las",
+                                                **({"aging_tokens_per_s": args.aging}
+                                                   if args.aging else {})})}
     trials = []
     for trial in range(args.trials):
         names = list(systems) if trial % 2 == 0 else list(reversed(systems))
@@ -472,6 +474,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--long-sessions", type=int, default=64,
                    help="closed loops, more than the fleet's slots: the fleet stays saturated")
     p.add_argument("--short-sessions", type=int, default=40)
+    p.add_argument("--aging", type=float, default=None,
+                   help="sessions: the las system's aging_tokens_per_s (default: the plugin's)")
     p.add_argument("--root", default="/tmp/kvgate-bench-flow")
     args = p.parse_args(argv)
     run = {"noisy": run_noisy, "sessions": run_sessions, "priorities": run_priorities,
