@@ -292,15 +292,22 @@ class FlowControl(Plugin):
                eps: Sequence[Endpoint]) -> Sequence[Endpoint]:
         """Late binding keeps its promise: the scheduler picks among the engines with a free
         slot (the gate admitted the request because one has), so a request is not sent to a
-        full engine's own queue for its prefix or session pin; all of ``eps`` when none has
+        full engine's own queue for its prefix or session pin. Per role (a P/D profile's role
+        filter may come after it): a role none of whose engines has a free slot keeps them all
         (then the engines queue, as without flow control)."""
         if not eps:
             return eps
-        free = self.saturation.unsaturated(eps, time.monotonic())
-        if free:
-            return free
-        self.unfiltered += 1
-        return eps
+        free = set(map(id, self.saturation.unsaturated(eps, time.monotonic())))
+        if len(free) == len(eps):
+            return eps
+        kept: list[Endpoint] = []
+        for role in {ep.role for ep in eps}:  # per role: a P/D profile's role filter follows
+            mine = [ep for ep in eps if ep.role == role]
+            open_ = [ep for ep in mine if id(ep) in free]
+            if not open_:
+                self.unfiltered += 1
+            kept.extend(open_ or mine)
+        return [ep for ep in eps if ep in kept]
 
     # -- hooks -----------------------------------------------------------------------------
     async def before_dispatch(self, req: InferenceRequest, state: CycleState,

@@ -122,20 +122,23 @@ class Saturation:
         out = []
         for ep in eps:
             learned = self._learned.get(ep.id)
-            limit = self.p.initial_in_flight_per_engine if learned is None else learned.limit
+            limit = self._new().limit if learned is None else learned.limit
             scraped = ep.metrics.scraped_at
             fresh = scraped is not None and now - scraped <= self.p.metrics_stale_s
             if self._saturated(ep, limit, fresh) is None:
                 out.append(ep)
         return out
 
+    def _new(self) -> _Learned:
+        p = self.p
+        if p.learn:
+            return _Learned(p.initial_in_flight_per_engine)
+        return _Learned(p.max_in_flight_per_engine, slow_start=False)
+
     def _engine(self, ep: Endpoint, now: float) -> EngineView:
         learned = self._learned.get(ep.id)
         if learned is None:
-            p = self.p
-            learned = self._learned[ep.id] = (
-                _Learned(p.initial_in_flight_per_engine) if p.learn
-                else _Learned(p.max_in_flight_per_engine, slow_start=False))
+            learned = self._learned[ep.id] = self._new()
         fresh = self._fresh(ep, learned, now)
         if fresh and self.p.learn:
             self._learn(ep, learned, now)

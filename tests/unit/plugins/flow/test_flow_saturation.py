@@ -96,3 +96,22 @@ def test_stale_metrics_are_reported(caplog: pytest.LogCaptureFixture) -> None:
         [_ep(kv_usage=0.5, scraped_at=0.0)], 60.0)
     assert view.stale == ("e0",)
     assert "metrics are 60 s old" in caplog.text
+
+
+def test_the_filter_keeps_each_role_available() -> None:
+    """A full prefill engine next to a free decode engine: the prefill role keeps its engine
+    (a later role filter must still find one); the full 'both' engine is dropped for the free
+    one."""
+    from kvgate.plugins.flow.plugin import FlowControl
+
+    class _NoLookup:
+        def lookup(self, name: str) -> object:
+            raise KeyError(name)
+
+    params = FlowParams(max_in_flight_per_engine=2, learn=False)
+    flow = FlowControl("flow-control", params, _NoLookup())
+    eps = [_ep("p0", in_flight=2, role=Role.PREFILL), _ep("d0", role=Role.DECODE),
+           _ep("b0", in_flight=2), _ep("b1")]
+    kept = flow.filter(None, None, eps)  # type: ignore[arg-type]
+    assert [ep.id for ep in kept] == ["p0", "d0", "b1"]
+    assert flow.unfiltered == 1
