@@ -50,7 +50,7 @@ import yaml
 from bench import procs
 from bench.harness import machine_info
 from bench.replicas import redis_running
-from kvgate.middleware.quickstart import QuickStart, quick_start_config
+from kvgate.middleware.framework.composition.quickstart import QuickStart, quick_start_config
 from kvgate.plugins.tenancy.keys_model import hash_key, new_key
 
 MODEL = "sim-model"

@@ -370,6 +370,10 @@ class LoopbackCaller(Protocol):
         """The engine pool's current snapshot."""
         ...
 
+    def live_queued(self) -> int:
+        """Live requests waiting in the gateway's flow control now (0 without one)."""
+        ...
+
     def authenticate(self, headers: Mapping[str, str]) -> Principal | None:
         """The gateway's authenticator on lower-cased headers (None: no authenticator)."""
         ...

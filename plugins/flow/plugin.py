@@ -54,7 +54,8 @@ from kvgate.middleware.framework.errors import (
     Overloaded,
     RateLimited,
 )
-from kvgate.middleware.framework.plugin import Plugin, PluginLookup
+from kvgate.middleware.framework.plugin import LoopbackCaller, Plugin, PluginLookup
+from kvgate.middleware.framework.tasks import cancel_and_wait
 from kvgate.middleware.framework.types import (
     CycleState,
     Endpoint,
@@ -62,11 +63,9 @@ from kvgate.middleware.framework.types import (
     RoutingDecision,
     StateKey,
     Usage,
+    add_log_field,
     add_response_header,
 )
-from kvgate.middleware.observe.access_log import add_log_field
-from kvgate.middleware.serving.loopback import Loopback
-from kvgate.middleware.tasks import cancel_and_wait
 from kvgate.plugins.flow.fairness import Fairness
 from kvgate.plugins.flow.metrics import FlowMetrics, TenantLabels
 from kvgate.plugins.flow.params import BACKGROUND, BANDS, LIVE_BANDS, FlowParams, band_rank
@@ -350,7 +349,7 @@ class FlowControl(Plugin):
             self._pump()
 
     # -- plumbing --------------------------------------------------------------------------
-    def bind_loopback(self, loopback: Loopback) -> None:
+    def bind_loopback(self, loopback: LoopbackCaller) -> None:
         """The pool's current snapshot, read on every pump (fresh in-flight counts)."""
         self._endpoints = loopback.endpoints
 

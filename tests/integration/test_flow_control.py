@@ -17,10 +17,10 @@ import pytest
 import yaml
 
 from kvgate.middleware.app import KvgateApp, create_app
-from kvgate.middleware.framework.config import parse_config
+from kvgate.middleware.framework.composition.config import parse_config
+from kvgate.middleware.framework.composition.quickstart import config_from_engines
 from kvgate.middleware.framework.errors import ConfigError
 from kvgate.middleware.observe.access_log import LOGGER
-from kvgate.middleware.quickstart import config_from_engines
 from kvgate.plugins.flow.plugin import FlowControl
 from kvgate.plugins.tenancy.keys_model import hash_key, new_key
 from tests.integration.conftest import gateway, gateway_config, sim_fleet
