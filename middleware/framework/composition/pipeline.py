@@ -68,7 +68,7 @@ class Pipeline:
     completion_hooks: tuple[CompletionHook, ...] = ()
     request_end_hooks: tuple[RequestEndHook, ...] = ()
     prefill_hooks: tuple[PrefillHook, ...] = ()
-    #: Flow control: awaited before scheduling (middleware/plugin.py AdmissionGate).
+    #: Flow control: awaited before scheduling (middleware/framework/plugin.py AdmissionGate).
     gates: tuple[AdmissionGate, ...] = ()
     listeners: tuple[EndpointSetListener, ...] = ()
     lifecycles: tuple[Lifecycle, ...] = field(default=())
