@@ -239,7 +239,6 @@ async def flood_process(url: str, key: str, concurrency: int, stop: float, seed:
     its statuses land in ``tally`` when it ends."""
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    await asyncio.sleep(0)
     proc = ctx.Process(target=_delayed_flood, args=(
         url, key, concurrency, stop, seed, headers, out, delay_s))
     proc.start()
