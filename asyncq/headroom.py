@@ -8,6 +8,10 @@ current), and the engine's own ``running`` / ``waiting`` requests and KV-cache u
 ``/metrics`` (scraped every ``pool.metrics_interval_s``: up to that stale, and None for
 engines that do not report them; a missing figure does not close the gate).
 
+Live requests waiting in the gateway's flow control (plugins/flow/: the fleet is saturated
+for live traffic) close the gate whatever the thresholds say: deferred work sits below every
+live priority band.
+
 Thresholds (per healthy engine, averaged over the fleet except ``max_waiting``):
 
 * ``max_live_per_engine`` (requests, default 0): live requests in flight per engine above
@@ -49,12 +53,17 @@ class HeadroomParams(BaseModel):
 class Gate:
     open: bool
     #: Why it is closed (a metric label): ``no_engine``, ``live_load``, ``engine_waiting``,
-    #: ``kv_usage``, ``job_slots``; ``open`` when open.
+    #: ``kv_usage``, ``job_slots``, ``live_queue`` (live requests wait in the gateway's flow
+    #: control); ``open`` when open.
     reason: str
 
 
-def gate(eps: Sequence[Endpoint], own_running: int, params: HeadroomParams) -> Gate:
-    """Whether one more job may start with ``own_running`` jobs of ours in flight."""
+def gate(eps: Sequence[Endpoint], own_running: int, params: HeadroomParams,
+         live_queued: int = 0) -> Gate:
+    """Whether one more job may start with ``own_running`` jobs of ours in flight and
+    ``live_queued`` live requests waiting in the gateway's flow control (plugins/flow/)."""
+    if live_queued > 0:
+        return Gate(False, "live_queue")
     healthy = [ep for ep in eps if ep.healthy]
     if not healthy:
         return Gate(False, "no_engine")

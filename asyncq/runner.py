@@ -168,7 +168,8 @@ class Runner:
 
     async def _fill(self, now: float) -> None:
         while len(self.active) < self.s.max_concurrency:
-            verdict = gate(self.loopback.endpoints(), len(self.active), self.s.headroom)
+            verdict = gate(self.loopback.endpoints(), len(self.active), self.s.headroom,
+                           self.loopback.live_queued())
             self.metrics.gate_open = verdict.open
             if not verdict.open:
                 self.metrics.gate_closed.labels(verdict.reason).inc()

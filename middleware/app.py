@@ -131,7 +131,9 @@ class KvgateApp:
         #: what the HTTP front end (middleware/transport/h1server.py) holds its connections to
         self.h1_limits = H1Limits(config.server)
         self.metrics.registry.register(H1LimitsCollector(self.h1_limits))
-        self.loopback = Loopback(self, self.pipeline.authenticator, self.pool.snapshot)
+        gates = self.pipeline.gates
+        self.loopback = Loopback(self, self.pipeline.authenticator, self.pool.snapshot,
+                                 live_queued=lambda: sum(g.queued() for g in gates))
         for user in self.pipeline.loopback_users:
             user.bind_loopback(self.loopback)
         server = config.server

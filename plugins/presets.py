@@ -22,6 +22,10 @@ product's default: cache-aware with no setup, precise when the fleet allows it.
   (``x-kvgate-queue: true``), background responses (so the ``responses`` API accepts
   ``background: true``) and the Batch/Files API, in SQLite under ``.kvgate/`` (where the
   ledger's default lives), run while the engines have headroom.
+* **Flow control.** ``flow-control`` with its defaults (docs/flow-control.md): while every
+  engine is saturated live requests wait in the gateway (priority bands, fair across tenants
+  by tokens and across agent sessions), the engine picked when they leave the queue; deferred
+  work waits below every live band.
 * **Isolation.** ``cache-salt``: with API keys on (``--keys``), every request to an engine
   carries its tenant's ``cache_salt`` (docs/operations.md "Tenant isolation"); without keys it
   does nothing.
@@ -70,13 +74,13 @@ def _prefix_params(qs: QuickStart) -> dict[str, Any]:
     return {"mode": "auto"}
 
 
-_COMMON = [{"ref": "health-filter"}, {"ref": "model-filter"}]
+_COMMON = [{"ref": "health-filter"}, {"ref": "model-filter"}, {"ref": "flow-control"}]
 _TAIL = [{"ref": "kv-placement-scorer", "weight": 1.0}, {"ref": "max-score-picker"}]
 
 
 #: The async queue with its defaults, and the Responses API accepting ``background: true``
 #: (which the queue then runs and bills).
-_ASYNC: list[dict[str, Any]] = [{"type": "async-queue"}]
+_ASYNC: list[dict[str, Any]] = [{"type": "async-queue"}, {"type": "flow-control"}]
 _APIS: dict[str, Any] = {"responses": {"allow_background": True}}
 
 

@@ -51,16 +51,23 @@ class Loopback:
 
     def __init__(self, app: AsgiApp, authenticator: Authenticator | None,
                  endpoints: Callable[[], Sequence[Endpoint]] = tuple,
-                 max_bytes: int = 64 * 1024 * 1024) -> None:
+                 max_bytes: int = 64 * 1024 * 1024,
+                 live_queued: Callable[[], int] = int) -> None:
         self._app = app
         self._auth = authenticator
         self._endpoints = endpoints
+        self._live_queued = live_queued
         self.max_bytes = max_bytes
 
     def endpoints(self) -> Sequence[Endpoint]:
         """The engine pool's current snapshot (health, in-flight load, scraped metrics): what a
         deferred-work runner reads to start jobs only while the fleet has headroom."""
         return self._endpoints()
+
+    def live_queued(self) -> int:
+        """Live requests waiting in the gateway's flow control now (0 without one): deferred
+        work starts only while none wait (it sits below every live priority band)."""
+        return self._live_queued()
 
     def authenticate(self, headers: Mapping[str, str]) -> Principal | None:
         """The gateway's authenticator on lower-cased ``headers`` (raises Unauthorized); None

@@ -208,6 +208,22 @@ class RequestEndHook(Protocol):
 
 
 @runtime_checkable
+class AdmissionGate(Protocol):
+    """Decides *when* a request may be scheduled (flow control): awaited by the dispatcher after
+    the request hooks, before the data producers and the scheduler run, raced against the
+    client's disconnect (a client that leaves cancels the wait). Returns once the request may
+    go on (late binding: the engine is picked after the wait); raises HTTPError to refuse it
+    (429 / 503 with ``Retry-After``). ``eps``: the engines the request may use. ``queued``:
+    live requests waiting in the gate now (the async queue's headroom gate stays closed while
+    any wait: deferred work sits below every live request)."""
+
+    async def admit(self, req: InferenceRequest, state: CycleState,
+                    eps: Sequence[Endpoint]) -> None: ...
+
+    def queued(self) -> int: ...
+
+
+@runtime_checkable
 class PrefillHook(Protocol):
     """Told when the prefill hop of a two-hop (prefill/decode) request has ended, before the
     request completes (e.g. to release in-flight prefill load early). ``ok``: the prefill
@@ -354,6 +370,10 @@ class LoopbackCaller(Protocol):
         """The engine pool's current snapshot."""
         ...
 
+    def live_queued(self) -> int:
+        """Live requests waiting in the gateway's flow control now (0 without one)."""
+        ...
+
     def authenticate(self, headers: Mapping[str, str]) -> Principal | None:
         """The gateway's authenticator on lower-cased headers (None: no authenticator)."""
         ...
@@ -427,6 +447,7 @@ SLOTS: Mapping[str, type] = {
     "completion-hook": CompletionHook,
     "request-end-hook": RequestEndHook,
     "prefill-hook": PrefillHook,
+    "admission-gate": AdmissionGate,
     "endpoint-set-listener": EndpointSetListener,
     "lifecycle": Lifecycle,
     "metrics-source": MetricsSource,

@@ -203,6 +203,8 @@ class Dispatcher:
         dispatch, retrying elsewhere on failures before the first byte."""
         req = ctx.request
         self._check_model(req, eps)
+        for gate in self.pipeline.gates:  # flow control: wait for headroom (late binding)
+            await race(gate.admit(req, ctx.state, eps), ctx.receive, ctx.disconnect)
         timer = self.metrics.hooks
         for producer in self.pipeline.producers:
             t = time.perf_counter() if timer.on else 0.0

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -45,6 +45,10 @@ class Limits(BaseModel):
 
 NO_LIMITS = Limits()
 
+#: Flow-control priority bands a key may use (plugins/flow/, docs/flow-control.md), highest
+#: first.
+Band = Literal["interactive", "standard", "batch"]
+
 
 class TenantEntry(BaseModel):
     """A tenant's budget and quotas, shared by all its keys."""
@@ -65,6 +69,10 @@ class KeyEntry(BaseModel):
     admin: bool = False
     budget_usd: Decimal | None = Field(None, ge=0)
     limits: Limits = NO_LIMITS
+    #: Flow control: the key's default band, and the highest band its requests may ask for
+    #: (``x-kvgate-priority``); None: the flow-control plugin's defaults.
+    priority: Band | None = None
+    max_priority: Band | None = None
     created_at: dt.datetime | None = None
     revoked_at: dt.datetime | None = None
     previous_sha256: str | None = Field(None, pattern=_SHA)
@@ -112,6 +120,9 @@ class ApiKey:
     #: The tenant's own budget and quotas (``tenants:`` in the keys file), shared by its keys.
     tenant_budget_usd: Decimal | None = None
     tenant_limits: Limits = NO_LIMITS
+    #: Flow-control default band and highest band (None: the plugin's defaults).
+    priority: str | None = None
+    max_priority: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +146,8 @@ def principal(entry: KeyEntry, tenants: Mapping[str, TenantEntry]) -> ApiKey:
     tenant = tenants.get(entry.tenant)
     return ApiKey(entry.id, entry.tenant, entry.models, entry.admin, entry.budget_usd,
                   entry.limits, None if tenant is None else tenant.budget_usd,
-                  NO_LIMITS if tenant is None else tenant.limits)
+                  NO_LIMITS if tenant is None else tenant.limits, entry.priority,
+                  entry.max_priority)
 
 
 def build_index(parsed: KeysFile) -> KeyIndex:

@@ -24,6 +24,7 @@ from kvgate.middleware.framework.connector import Connector
 from kvgate.middleware.framework.engine import EngineAdapter
 from kvgate.middleware.framework.errors import ConfigError
 from kvgate.middleware.framework.plugin import (
+    AdmissionGate,
     AsgiApp,
     AsgiMount,
     Authenticator,
@@ -67,6 +68,8 @@ class Pipeline:
     completion_hooks: tuple[CompletionHook, ...] = ()
     request_end_hooks: tuple[RequestEndHook, ...] = ()
     prefill_hooks: tuple[PrefillHook, ...] = ()
+    #: Flow control: awaited before scheduling (middleware/framework/plugin.py AdmissionGate).
+    gates: tuple[AdmissionGate, ...] = ()
     listeners: tuple[EndpointSetListener, ...] = ()
     lifecycles: tuple[Lifecycle, ...] = field(default=())
     authenticator: Authenticator | None = None
@@ -349,6 +352,7 @@ def build_pipeline(config: GatewayConfig, registry: Registry) -> Pipeline:
         completion_hooks=tuple(p for p in values if isinstance(p, CompletionHook)),
         request_end_hooks=tuple(p for p in values if isinstance(p, RequestEndHook)),
         prefill_hooks=tuple(p for p in values if isinstance(p, PrefillHook)),
+        gates=tuple(p for p in values if isinstance(p, AdmissionGate)),
         listeners=tuple(p for p in values if isinstance(p, EndpointSetListener)),
         lifecycles=(*(p for p in values if isinstance(p, Lifecycle)),
                     *(b for b in backends.values() if isinstance(b, Lifecycle))),

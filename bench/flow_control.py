@@ -1,0 +1,500 @@
+"""Flow control on a simulated H100 fleet (engines/sim at real H100 timing, ``--time-scale 1``,
+``--max-num-seqs 16``): fresh processes per cell (``--engines`` sim engines and one
+``kvgate serve --config`` with the quick-start preset plus API keys for two tenants).
+
+Scenarios (``--scenario``), each a same-run comparison (systems rotated per trial):
+
+* ``noisy`` -- noisy neighbour: tenant B runs ``--b-sessions`` agent sessions from the start
+  (streaming, ``x-session-affinity``, history growing per turn); tenant A floods with
+  ``--a-concurrency`` non-streaming requests in flight (10x its share of the fleet's
+  ``engines x 16`` slots). Cells: B alone and B + A, with flow control ``off`` (the
+  ``flow-control`` plugin removed: today's behaviour) and ``on`` (the default). Reported: B's
+  TTFT p50/p99, ratios to B alone, A's status counts (429s carry ``Retry-After``), and
+  exactly-once: the engines' finished-request count equals the clients' 200s.
+* ``sessions`` -- agent sessions at saturation, one tenant: ``--long-sessions`` long sessions
+  (many turns, long context) and ``--short-sessions`` short ones, all closed loops, behind
+  flow control with ``session_order: las`` vs ``fifo``. Reported: TTFT p99 and max, short
+  sessions' completion time (median, p90).
+* ``replicas`` -- the noisy neighbour through 1 gateway vs 2 replicas sharing fairness through
+  Redis (and 2 without): B's TTFT p99 ratio to B alone on 1 replica.
+* ``priorities`` -- interactive streams alone vs with a saturating ``batch`` band (requests
+  with ``x-kvgate-priority: batch``); flow control on. Reported: interactive TTFT p99 ratio.
+
+Every figure is per trial; the summary quotes medians over ``--trials``. JSON to
+``bench/results/flow_control_<scenario>.json`` (git-ignored)::
+
+    .venv/bin/python -m bench.flow_control --scenario noisy --trials 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing
+import random
+import shutil
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from bench import procs
+from bench.harness import machine_info
+from bench.replicas import redis_running
+from kvgate.middleware.framework.composition.quickstart import QuickStart, quick_start_config
+from kvgate.plugins.tenancy.keys_model import hash_key, new_key
+
+MODEL = "sim-model"
+WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa",
+         "lambda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon")
+
+
+@dataclass(frozen=True)
+class Setup:
+    engines: int = 2
+    max_num_seqs: int = 16
+    #: flow-control params; None: the plugin removed (no flow control).
+    flow: dict[str, Any] | None = field(default_factory=dict)
+    #: Gateway replicas in front of the same engines; ``redis``: share fairness through one.
+    replicas: int = 1
+    redis: bool = False
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def _config(urls: Sequence[str], port: int, root: Path, setup: Setup,
+            redis: str | None = None, replica: int = 0) -> Path:
+    data = quick_start_config(QuickStart(engines=tuple(urls))).model_dump(
+        mode="json", exclude={"source"})
+    data["server"].update({"host": "127.0.0.1", "port": port, "log_level": "warning"})
+    data["pool"].update({"health_interval_s": 0.5, "metrics_interval_s": 0.5})
+    plugins = [{"type": "api-keys", "params": {"file": str((root / "keys.yaml").resolve())}}]
+    for plugin in data["plugins"]:
+        if plugin["type"] == "flow-control":
+            if setup.flow is None:
+                continue
+            plugin["params"] = {**setup.flow, **({"redis_url": redis} if redis else {})}
+        if plugin["type"] == "async-queue":
+            plugin["params"] = {"backend": f"sqlite://{root.resolve()}/jobs-{replica}.sqlite",
+                                "management": None}
+        plugins.append(plugin)
+    data["plugins"] = plugins
+    if setup.flow is None:  # and out of the profiles (its filter)
+        for profile in data["profiles"]:
+            profile["plugins"] = [r for r in profile["plugins"] if r["ref"] != "flow-control"]
+    path = root / f"kvgate-{replica}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _keys(root: Path) -> dict[str, str]:
+    keys = {"A": new_key(), "B": new_key()}
+    entries = [{"id": f"{t}-1", "tenant": t, "sha256": hash_key(k),
+                "max_priority": "interactive"} for t, k in keys.items()]
+    (root / "keys.yaml").write_text(yaml.safe_dump({"keys": entries}))
+    return keys
+
+
+@contextlib.contextmanager
+def system(root: Path, setup: Setup) -> Iterator[tuple[str, list[str], dict[str, str]]]:
+    """Fresh engines and a gateway; yields (gateway URL, engine URLs, tenant keys)."""
+    with systems(root, setup) as (gateways, urls, keys):
+        yield gateways[0], urls, keys
+
+
+@contextlib.contextmanager
+def systems(root: Path, setup: Setup) -> Iterator[tuple[list[str], list[str], dict[str, str]]]:
+    """Fresh engines and ``setup.replicas`` gateways (and a Redis when ``setup.redis``);
+    yields (gateway URLs, engine URLs, tenant keys)."""
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    keys = _keys(root)
+    with contextlib.ExitStack() as stack:
+        urls = []
+        for i in range(setup.engines):
+            port = procs.free_port()
+            argv = [sys.executable, "-m", "kvgate.engines.sim", "--port", str(port), "--engine-id",
+                    f"engine-{i}", "--model", MODEL, "--time-scale", "1", "--seed", str(i),
+                    "--max-num-seqs", str(setup.max_num_seqs), "--capacity-blocks", "27000"]
+            log = root / f"e{i}.log"
+            proc = stack.enter_context(procs.running(argv, "0-1", log))
+            url = f"http://127.0.0.1:{port}"
+            procs.wait_healthy(url + "/health", proc, 30, log)
+            urls.append(url)
+        redis = stack.enter_context(redis_running(root)) if setup.redis else None
+        kvgate = str(Path(sys.executable).with_name("kvgate"))
+        gateways = []
+        for r in range(setup.replicas):
+            port = procs.free_port()
+            cwd = root / f"r{r}"
+            cwd.mkdir()
+            config = _config(urls, port, root, setup, redis, r)
+            log = root / f"kvgate-{r}.log"
+            proc = stack.enter_context(procs.running(
+                [kvgate, "serve", "--config", str(config.resolve())], "0-1", log, cwd=cwd))
+            url = f"http://127.0.0.1:{port}"
+            procs.wait_healthy(url + "/health", proc, 60, log)
+            gateways.append(url)
+        yield gateways, urls, keys
+
+
+@dataclass
+class Tally:
+    ttfts: list[float] = field(default_factory=list)
+    statuses: Counter[int] = field(default_factory=Counter)
+    retry_after_missing: int = 0
+    sessions_done: list[float] = field(default_factory=list)
+    #: TTFTs of requests sent before this (time.monotonic()) are not recorded (warm-up).
+    measure_from: float = 0.0
+
+
+async def _call(session: aiohttp.ClientSession, url: str, key: str, body: dict[str, Any],
+                headers: dict[str, str], tally: Tally) -> bool:
+    """One request; a stream's TTFT (first content event) goes to ``tally``."""
+    start = time.monotonic()
+    hdrs = {"authorization": f"Bearer {key}", **headers}
+    async with session.post(url + "/v1/chat/completions", json=body, headers=hdrs) as resp:
+        tally.statuses[resp.status] += 1
+        if resp.status != 200:
+            if resp.status == 429 and "Retry-After" not in resp.headers:
+                tally.retry_after_missing += 1
+            await resp.read()
+            return False
+        if not body.get("stream"):
+            await resp.read()
+            return True
+        seen = False
+        async for line in resp.content:
+            if not seen and line.startswith(b"data: ") and b'"content"' in line:
+                if start >= tally.measure_from:
+                    tally.ttfts.append(time.monotonic() - start)
+                seen = True
+        return True
+
+
+async def agent(url: str, key: str, sid: str, turns: int, ctx_words: int, out_tokens: int,
+                think_s: float, stop: float, tally: Tally, seed: int,
+                headers: dict[str, str] | None = None) -> None:
+    """A closed-loop agent session: each turn resends the history plus a new message."""
+    rng = random.Random(seed)
+    history: list[dict[str, str]] = [{"role": "system", "content": _text(rng, ctx_words)}]
+    start = time.monotonic()
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for turn in range(turns):
+            if time.monotonic() >= stop:
+                return
+            history.append({"role": "user", "content": f"{sid} turn {turn}: " + _text(rng, 40)})
+            body = {"model": MODEL, "messages": history, "max_tokens": out_tokens,
+                    "stream": True, "ignore_eos": True}
+            await _call(session, url, key, body,
+                        {"x-session-affinity": sid, **(headers or {})}, tally)
+            history.append({"role": "assistant", "content": _text(rng, out_tokens // 2)})
+            await asyncio.sleep(think_s)
+        tally.sessions_done.append(time.monotonic() - start)
+
+
+async def flood(url: str, key: str, concurrency: int, stop: float, tally: Tally, seed: int,
+                headers: dict[str, str] | None = None, stream: bool = False) -> None:
+    """``concurrency`` closed loops of long one-shot requests until ``stop``."""
+    timeout = aiohttp.ClientTimeout(total=600)
+
+    async def loop(i: int) -> None:
+        rng = random.Random(seed * 1000 + i)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while time.monotonic() < stop:
+                body = {"model": MODEL, "max_tokens": 256, "ignore_eos": True, "stream": stream,
+                        "messages": [{"role": "user", "content": f"flood {i}: "
+                                      + _text(rng, 600)}]}
+                if not await _call(session, url, key, body, headers or {}, tally):
+                    await asyncio.sleep(1.0)  # Retry-After
+    await asyncio.gather(*(loop(i) for i in range(concurrency)))
+
+
+def _flood_proc(url: str, key: str, concurrency: int, stop: float, seed: int,
+                headers: dict[str, str] | None, out: Any) -> None:
+    """:func:`flood` in its own process (its 100+ connections off the measuring client's event
+    loop); puts its status counts on ``out``."""
+    tally = Tally()
+    asyncio.run(flood(url, key, concurrency, stop, tally, seed, headers))
+    out.put(dict(tally.statuses))
+
+
+@contextlib.asynccontextmanager
+async def flood_process(url: str, key: str, concurrency: int, stop: float, seed: int,
+                        tally: Tally, headers: dict[str, str] | None = None,
+                        delay_s: float = 0.0) -> Any:
+    """Run a flood in a child process (time.monotonic is system-wide) while the block runs;
+    its statuses land in ``tally`` when it ends."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_delayed_flood, args=(
+        url, key, concurrency, stop, seed, headers, out, delay_s))
+    proc.start()
+    try:
+        yield
+    finally:
+        statuses = await asyncio.to_thread(out.get, True, 900)
+        await asyncio.to_thread(proc.join, 30)
+        tally.statuses.update({int(k): v for k, v in statuses.items()})
+
+
+def _delayed_flood(url: str, key: str, concurrency: int, stop: float, seed: int,
+                   headers: dict[str, str] | None, out: Any, delay_s: float) -> None:
+    time.sleep(delay_s)
+    _flood_proc(url, key, concurrency, stop, seed, headers, out)
+
+
+async def engine_finished(urls: Sequence[str]) -> float:
+    """The engines' finished requests (``vllm:request_success_total``), all reasons."""
+    total = 0.0
+    async with aiohttp.ClientSession() as session:
+        for url in urls:
+            async with session.get(url + "/metrics") as resp:
+                for line in (await resp.text()).splitlines():
+                    if line.startswith("vllm:request_success_total"):
+                        total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _p(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summary(t: Tally) -> dict[str, Any]:
+    return {"n": len(t.ttfts), "ttft_p50_s": _p(t.ttfts, 0.5), "ttft_p99_s": _p(t.ttfts, 0.99),
+            "ttft_max_s": max(t.ttfts, default=None),
+            "statuses": {str(k): v for k, v in sorted(t.statuses.items())},
+            "retry_after_missing": t.retry_after_missing,
+            "sessions_done": len(t.sessions_done),
+            "session_time_p50_s": _p(t.sessions_done, 0.5),
+            "session_time_p90_s": _p(t.sessions_done, 0.9)}
+
+
+async def _noisy_cell(url: str, urls: Sequence[str], keys: dict[str, str], flood_on: bool,
+                      args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """B's sessions run from the start; A's flood (if any) starts 2 s later; B's TTFTs count
+    from ``warmup`` on (A's backlog built up, the gateway's limits learned)."""
+    now = time.monotonic()
+    a, b = Tally(), Tally(measure_from=now + args.warmup)
+    stop = now + args.warmup + args.duration
+    tasks = [agent(url, keys["B"], f"b-{seed}-{i}", 10_000, 300, 32, 0.3, stop, b, seed + i)
+             for i in range(args.b_sessions)]
+    async with contextlib.AsyncExitStack() as stack:
+        if flood_on:
+            await stack.enter_async_context(flood_process(
+                url, keys["A"], args.a_concurrency, stop, seed, a, delay_s=2.0))
+        await asyncio.gather(*tasks)
+    finished = await engine_finished(urls)
+    ok = a.statuses[200] + b.statuses[200]
+    return {"B": summary(b), "A": summary(a), "engine_finished": finished, "client_200": ok,
+            "exactly_once": finished == ok}
+
+
+def _ratio(x: float | None, y: float | None) -> float | None:
+    return None if x is None or y is None or y == 0 else round(x / y, 3)
+
+
+def run_noisy(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
+    systems = {"off": Setup(args.engines, flow=None), "on": Setup(args.engines)}
+    trials = []
+    for trial in range(args.trials):
+        names = list(systems) if trial % 2 == 0 else list(reversed(systems))
+        cells: dict[str, Any] = {}
+        for name in names:
+            for flood_on in (False, True):
+                label = f"{name}/{'flood' if flood_on else 'alone'}"
+                with system(root, systems[name]) as (url, urls, keys):
+                    cells[label] = asyncio.run(
+                        _noisy_cell(url, urls, keys, flood_on, args, 100 * trial + 7))
+                print(label, json.dumps(cells[label]["B"]), cells[label]["A"]["statuses"],
+                      "exactly_once", cells[label]["exactly_once"], flush=True)
+        for name in systems:
+            cells[f"{name}/ratio_p99"] = _ratio(cells[f"{name}/flood"]["B"]["ttft_p99_s"],
+                                                cells[f"{name}/alone"]["B"]["ttft_p99_s"])
+        trials.append(cells)
+    return trials
+
+
+async def _sessions_cell(url: str, keys: dict[str, str], args: argparse.Namespace,
+                         seed: int) -> dict[str, Any]:
+    longs, shorts = Tally(), Tally()
+    stop = time.monotonic() + args.duration
+    tasks = [agent(url, keys["A"], f"long-{seed}-{i}", 10_000, 1500, 32, 0.0, stop, longs,
+                   seed + i) for i in range(args.long_sessions)]
+    tasks += [_later(i * args.duration / (args.short_sessions + 1),
+                     agent(url, keys["A"], f"short-{seed}-{i}", 3, 100, 32, 0.0, stop + 120,
+                           shorts, seed + 1000 + i)) for i in range(args.short_sessions)]
+    await asyncio.gather(*tasks)
+    every = Tally(ttfts=longs.ttfts + shorts.ttfts)
+    return {"all": summary(every), "long": summary(longs), "short": summary(shorts)}
+
+
+async def _later(delay: float, work: Any) -> None:
+    await asyncio.sleep(delay)
+    await work
+
+
+def run_sessions(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
+    systems = {"fifo": Setup(args.engines, flow={"session_order": "fifo"}),
+               "las": Setup(args.engines, flow={"session_order": "las",
+                                                **({"aging_tokens_per_s": args.aging}
+                                                   if args.aging else {})})}
+    trials = []
+    for trial in range(args.trials):
+        names = list(systems) if trial % 2 == 0 else list(reversed(systems))
+        cells: dict[str, Any] = {}
+        for name in names:
+            with system(root, systems[name]) as (url, _, keys):
+                cells[name] = asyncio.run(_sessions_cell(url, keys, args, 100 * trial + 3))
+            print(name, json.dumps(cells[name]), flush=True)
+        cells["ratio_ttft_p99"] = _ratio(cells["fifo"]["all"]["ttft_p99_s"],
+                                         cells["las"]["all"]["ttft_p99_s"])
+        cells["ratio_short_ttft_p99"] = _ratio(cells["fifo"]["short"]["ttft_p99_s"],
+                                               cells["las"]["short"]["ttft_p99_s"])
+        cells["las_max_ttft_s"] = cells["las"]["all"]["ttft_max_s"]
+        cells["fifo_max_ttft_s"] = cells["fifo"]["all"]["ttft_max_s"]
+        cells["ratio_short_session_p50"] = _ratio(cells["fifo"]["short"]["session_time_p50_s"],
+                                                  cells["las"]["short"]["session_time_p50_s"])
+        trials.append(cells)
+    return trials
+
+
+async def _priorities_cell(url: str, keys: dict[str, str], batch_on: bool,
+                           args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    inter, batch = Tally(), Tally()
+    now = time.monotonic()
+    stop = now + args.duration + args.warmup
+    inter.measure_from = now + args.warmup
+    tasks = [agent(url, keys["B"], f"i-{seed}-{i}", 10_000, 300, 32, 0.3, stop, inter,
+                   seed + i, {"x-kvgate-priority": "interactive"})
+             for i in range(args.b_sessions)]
+    async with contextlib.AsyncExitStack() as stack:
+        if batch_on:
+            await stack.enter_async_context(flood_process(
+                url, keys["A"], args.a_concurrency, stop, seed, batch,
+                {"x-kvgate-priority": "batch"}, delay_s=2.0))
+        await asyncio.gather(*tasks)
+    return {"interactive": summary(inter), "batch": summary(batch)}
+
+
+def run_priorities(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
+    trials = []
+    for trial in range(args.trials):
+        cells: dict[str, Any] = {}
+        for batch_on in ((False, True) if trial % 2 == 0 else (True, False)):
+            label = "with_batch" if batch_on else "alone"
+            with system(root, Setup(args.engines)) as (url, _, keys):
+                cells[label] = asyncio.run(_priorities_cell(url, keys, batch_on, args,
+                                                            100 * trial + 5))
+            print(label, json.dumps(cells[label]), flush=True)
+        cells["ratio_p99"] = _ratio(cells["with_batch"]["interactive"]["ttft_p99_s"],
+                                    cells["alone"]["interactive"]["ttft_p99_s"])
+        trials.append(cells)
+    return trials
+
+
+async def _replicas_cell(gateways: Sequence[str], urls: Sequence[str], keys: dict[str, str],
+                         flood_on: bool, args: argparse.Namespace,
+                         seed: int) -> dict[str, Any]:
+    """As the noisy cell, with B's sessions and A's flood loops spread over the replicas."""
+    now = time.monotonic()
+    a, b = Tally(), Tally(measure_from=now + args.warmup)
+    stop = now + args.warmup + args.duration
+    n = len(gateways)
+    tasks = [agent(gateways[i % n], keys["B"], f"b-{seed}-{i}", 10_000, 300, 32, 0.3, stop, b,
+                   seed + i) for i in range(args.b_sessions)]
+    async with contextlib.AsyncExitStack() as stack:
+        if flood_on:
+            for k, g in enumerate(gateways):
+                await stack.enter_async_context(flood_process(
+                    g, keys["A"], args.a_concurrency // n, stop, seed + k, a, delay_s=2.0))
+        await asyncio.gather(*tasks)
+    finished = await engine_finished(urls)
+    ok = a.statuses[200] + b.statuses[200]
+    return {"B": summary(b), "A": summary(a), "engine_finished": finished, "client_200": ok,
+            "exactly_once": finished == ok}
+
+
+def run_replicas(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
+    """B's TTFT ratio (flood / alone) through 1 replica vs 2 replicas sharing Redis (and 2
+    without): N replicas behaving like one means the same ratio."""
+    cells_of = [("1r/alone", Setup(args.engines), False),
+                ("1r/flood", Setup(args.engines), True),
+                ("2r-redis/flood", Setup(args.engines, replicas=2, redis=True), True),
+                ("2r-local/flood", Setup(args.engines, replicas=2), True)]
+    trials = []
+    for trial in range(args.trials):
+        order = cells_of if trial % 2 == 0 else [cells_of[0], *reversed(cells_of[1:])]
+        cells: dict[str, Any] = {}
+        for label, setup, flood_on in order:
+            with systems(root, setup) as (gateways, urls, keys):
+                cells[label] = asyncio.run(_replicas_cell(gateways, urls, keys, flood_on, args,
+                                                          100 * trial + 11))
+            print(label, json.dumps(cells[label]["B"]), cells[label]["A"]["statuses"],
+                  "exactly_once", cells[label]["exactly_once"], flush=True)
+        base = cells["1r/alone"]["B"]["ttft_p99_s"]
+        for label in ("1r/flood", "2r-redis/flood", "2r-local/flood"):
+            cells[f"{label}/ratio_p99"] = _ratio(cells[label]["B"]["ttft_p99_s"], base)
+        trials.append(cells)
+    return trials
+
+
+def _median(trials: list[dict[str, Any]], key: str) -> float | None:
+    values = [t[key] for t in trials if t.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--scenario", choices=["noisy", "sessions", "priorities", "replicas"],
+                   default="noisy")
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--duration", type=float, default=30.0, help="measured seconds per cell")
+    p.add_argument("--warmup", type=float, default=5.0, help="flood head start (s)")
+    p.add_argument("--a-concurrency", type=int, default=160,
+                   help="A's requests in flight: 10x its share of engines x 16 slots / 2")
+    p.add_argument("--b-sessions", type=int, default=3)
+    p.add_argument("--long-sessions", type=int, default=64,
+                   help="closed loops, more than the fleet's slots: the fleet stays saturated")
+    p.add_argument("--short-sessions", type=int, default=40)
+    p.add_argument("--aging", type=float, default=None,
+                   help="sessions: the las system's aging_tokens_per_s (default: the plugin's)")
+    p.add_argument("--root", default="/tmp/kvgate-bench-flow")
+    args = p.parse_args(argv)
+    run = {"noisy": run_noisy, "sessions": run_sessions, "priorities": run_priorities,
+           "replicas": run_replicas}
+    trials = run[args.scenario](args, Path(args.root))
+    keys = {"noisy": ["off/ratio_p99", "on/ratio_p99"],
+            "sessions": ["ratio_ttft_p99", "ratio_short_ttft_p99", "ratio_short_session_p50",
+                         "las_max_ttft_s", "fifo_max_ttft_s"],
+            "priorities": ["ratio_p99"],
+            "replicas": ["1r/flood/ratio_p99", "2r-redis/flood/ratio_p99",
+                         "2r-local/flood/ratio_p99"]}[args.scenario]
+    medians = {k: _median(trials, k) for k in keys}
+    out = {"scenario": args.scenario, "args": vars(args), "machine": machine_info(),
+           "calibration": "engines/sim --time-scale 1 (H100_TIMING.md), --max-num-seqs 16",
+           "medians": medians, "trials": trials}
+    path = Path(f"bench/results/flow_control_{args.scenario}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    print(json.dumps(medians), "->", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""Saturation, measured (pure, no I/O): per engine a request limit learned from what the engine
+reports, and the free request slots of each pool.
+
+Inputs per engine (an :class:`~kvgate.middleware.framework.types.Endpoint` of the pool's
+snapshot): the gateway's own in-flight requests and prompt tokens (taken on dispatch, released
+on every outcome: exact and current), and the engine's scraped ``running`` / ``waiting`` requests,
+KV usage and KV capacity (``pool.metrics_interval_s`` old at most; ignored past
+``metrics_stale_s``, which shows on /health, /metrics and in a WARNING).
+
+An engine is **saturated** (takes no new request) when it is out of rotation, or the gateway
+has ``limit`` requests in flight on it (``in_flight``), or its last fresh scrape showed KV
+usage at ``max_kv_usage`` or more (``kv_usage``), or its in-flight prompt tokens reach the
+token bound (``tokens``), or -- with learning off -- it reported more than
+``max_engine_waiting`` queued requests (``engine_waiting``).
+
+The limit starts at ``initial_in_flight_per_engine`` and is learned (see FlowParams.learn): a
+scrape showing a queue in the engine cuts it to this gateway's share of what the engine runs; a
+scrape showing the engine full without a queue doubles it until the first cut (slow start),
+then raises it by one while the engine runs fewer requests than it did when it last queued
+(its observed batch size: a free seat, e.g. another replica left), and past that by one at
+most every ``probe_interval_s`` (the batch may have grown), never past
+``max_in_flight_per_engine`` (with ``learn: false`` the limit is that, fixed). So a gateway
+in front of a 16-sequence engine converges on 16, and N replicas in front of it on about
+16 / N each, without talking to each other.
+
+Pools: engines of role ``both`` and ``decode`` serve a request (the serving pool); ``prefill``
+engines form the prefill pool. A request needs a free slot in the serving pool and, when
+there is a prefill pool, in it too (P/D saturation: each side saturates on its own).
+Bounded: one record per engine the pool has (records of engines gone are dropped).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvgate.middleware.framework.types import KV_CAPACITY_TOKENS, Endpoint, Role
+from kvgate.plugins.flow.params import FlowParams
+
+log = logging.getLogger("kvgate.flow")
+
+
+@dataclass(slots=True)
+class _Learned:
+    limit: int
+    #: Slow start: the limit doubles until the engine first queues.
+    slow_start: bool = True
+    #: The engine's running count the last time it queued: its batch size as observed.
+    ceiling: float | None = None
+    seen_scrape: float | None = None
+    last_probe: float = 0.0
+    stale: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EngineView:
+    id: str
+    role: str
+    limit: int
+    in_flight: int
+    free: int
+    #: Why it takes no request (``in_flight``, ``kv_usage``, ``tokens``, ``engine_waiting``,
+    #: ``unhealthy``), or None.
+    saturated: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class FleetView:
+    engines: tuple[EngineView, ...]
+    #: Free request slots of the serving pool (role both/decode) and of the prefill pool
+    #: (None: no prefill pool).
+    serving_free: int
+    prefill_free: int | None
+    #: Sum of the serving pool's healthy engines' limits: the fleet's capacity in requests.
+    capacity: int
+    stale: tuple[str, ...] = field(default=())
+
+    def free(self) -> int:
+        """Slots a request may take now (both pools when there is a prefill pool)."""
+        if self.prefill_free is None:
+            return self.serving_free
+        return min(self.serving_free, self.prefill_free)
+
+    def pool_saturated(self) -> dict[str, bool]:
+        out = {"serving": self.serving_free <= 0}
+        if self.prefill_free is not None:
+            out["prefill"] = self.prefill_free <= 0
+        return out
+
+
+class Saturation:
+    """Per-engine learned limits and the fleet's view (synchronous; one per plugin)."""
+
+    def __init__(self, params: FlowParams) -> None:
+        self.p = params
+        self._learned: dict[str, _Learned] = {}
+        #: Limit changes (cuts and probes), for /metrics.
+        self.cuts = 0
+        self.probes = 0
+
+    def limits(self) -> dict[str, int]:
+        return {k: v.limit for k, v in self._learned.items()}
+
+    def view(self, eps: Sequence[Endpoint], now: float) -> FleetView:
+        """Learn from fresh scrapes, then each engine's verdict and the pools' free slots."""
+        if len(self._learned) > len(eps):  # engines gone: forget them
+            ids = {ep.id for ep in eps}
+            for gone in [k for k in self._learned if k not in ids]:
+                del self._learned[gone]
+        views = tuple(self._engine(ep, now) for ep in eps)
+        serving = [v for v in views if v.role != Role.PREFILL.value]
+        prefill = [v for v in views if v.role == Role.PREFILL.value]
+        capacity = sum(v.limit for v in serving if v.saturated != "unhealthy")
+        stale = tuple(k for k, v in self._learned.items() if v.stale)
+        return FleetView(views, sum(v.free for v in serving),
+                         sum(v.free for v in prefill) if prefill else None, capacity, stale)
+
+    def unsaturated(self, eps: Sequence[Endpoint], now: float) -> list[Endpoint]:
+        """The engines of ``eps`` that take a request now (no learning, nothing forgotten:
+        ``eps`` may be a profile's subset)."""
+        out = []
+        for ep in eps:
+            learned = self._learned.get(ep.id)
+            limit = self._new().limit if learned is None else learned.limit
+            scraped = ep.metrics.scraped_at
+            fresh = scraped is not None and now - scraped <= self.p.metrics_stale_s
+            if self._saturated(ep, limit, fresh) is None:
+                out.append(ep)
+        return out
+
+    def _new(self) -> _Learned:
+        p = self.p
+        if p.learn:
+            return _Learned(p.initial_in_flight_per_engine)
+        return _Learned(p.max_in_flight_per_engine, slow_start=False)
+
+    def _engine(self, ep: Endpoint, now: float) -> EngineView:
+        learned = self._learned.get(ep.id)
+        if learned is None:
+            learned = self._learned[ep.id] = self._new()
+        fresh = self._fresh(ep, learned, now)
+        if fresh and self.p.learn:
+            self._learn(ep, learned, now)
+        why = self._saturated(ep, learned.limit, fresh)
+        free = 0 if why is not None else learned.limit - ep.in_flight_requests
+        return EngineView(ep.id, ep.role.value, learned.limit, ep.in_flight_requests, free, why)
+
+    def _fresh(self, ep: Endpoint, learned: _Learned, now: float) -> bool:
+        scraped = ep.metrics.scraped_at
+        fresh = scraped is not None and now - scraped <= self.p.metrics_stale_s
+        stale = scraped is not None and not fresh and ep.healthy
+        if stale and not learned.stale:
+            log.warning("flow control: engine %s's metrics are %.0f s old (more than "
+                        "metrics_stale_s=%s): saturation from the gateway's counters only",
+                        ep.id, now - (now if scraped is None else scraped),
+                        self.p.metrics_stale_s)
+        learned.stale = stale
+        return fresh
+
+    def _learn(self, ep: Endpoint, learned: _Learned, now: float) -> None:
+        m = ep.metrics
+        if m.scraped_at == learned.seen_scrape or m.running is None or m.waiting is None:
+            return
+        learned.seen_scrape = m.scraped_at
+        p = self.p
+        allowed = p.max_engine_waiting
+        if m.waiting > allowed:
+            learned.ceiling = m.running
+            share = ep.in_flight_requests * (m.running + allowed) / (m.running + m.waiting)
+            # this replica's share of the engine's batch, but never below the limit less the
+            # queue (the in-flight count moved since the scrape: a probe's one queued request
+            # costs one slot, not a rounding's two)
+            cut = max(round(share), learned.limit - int(m.waiting - allowed))
+            cut = max(p.min_in_flight_per_engine, min(learned.limit, cut))
+            if cut < learned.limit:
+                self.cuts += 1
+                log.info("flow control: engine %s queues %d requests: limit %d -> %d",
+                         ep.id, int(m.waiting), learned.limit, cut)
+                learned.limit = cut
+            learned.slow_start = False
+        elif ep.in_flight_requests >= learned.limit and learned.limit < p.max_in_flight_per_engine:
+            if learned.slow_start:
+                learned.limit = min(p.max_in_flight_per_engine, 2 * learned.limit)
+            elif learned.ceiling is not None and m.running < learned.ceiling - 0.5:
+                learned.limit += 1  # the engine reports a free seat: no queue expected
+            elif now - learned.last_probe >= p.probe_interval_s:
+                learned.limit += 1  # past the observed batch size: it may have grown
+                learned.last_probe = now
+            else:
+                return
+            self.probes += 1
+
+    def _saturated(self, ep: Endpoint, limit: int, fresh: bool) -> str | None:
+        if not ep.healthy:
+            return "unhealthy"
+        if ep.in_flight_requests >= limit:
+            return "in_flight"
+        m, p = ep.metrics, self.p
+        if fresh and m.kv_usage is not None and m.kv_usage >= p.max_kv_usage:
+            return "kv_usage"
+        cap = p.max_in_flight_tokens_per_engine
+        if cap is None and KV_CAPACITY_TOKENS in m.extra:
+            cap = int(m.extra[KV_CAPACITY_TOKENS] * p.max_kv_usage)
+        if cap is not None and ep.in_flight_tokens >= cap and ep.in_flight_requests > 0:
+            return "tokens"
+        if (fresh and not p.learn and m.waiting is not None
+                and m.waiting > p.max_engine_waiting):
+            return "engine_waiting"
+        return None
+
+
+__all__ = ["EngineView", "FleetView", "Saturation"]

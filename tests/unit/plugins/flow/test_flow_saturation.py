@@ -1,0 +1,117 @@
+"""Saturation per engine and pool (plugins/flow/saturation.py), table-driven."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvgate.middleware.framework.types import KV_CAPACITY_TOKENS, Endpoint, EngineMetrics, Role
+from kvgate.plugins.flow.params import FlowParams
+from kvgate.plugins.flow.saturation import Saturation
+
+
+def _ep(name: str = "e0", in_flight: int = 0, tokens: int = 0, healthy: bool = True,
+        role: Role = Role.BOTH, **metrics: object) -> Endpoint:
+    return Endpoint(id=name, url=f"http://{name}", kind="vllm", role=role, healthy=healthy,
+                    in_flight_requests=in_flight, in_flight_tokens=tokens,
+                    metrics=EngineMetrics(**metrics))  # type: ignore[arg-type]
+
+
+CASES = [
+    # name, endpoint, params, saturated reason, free
+    ("idle", _ep(), {}, None, 32),
+    ("idle, learning off", _ep(), {"learn": False}, None, 256),
+    ("at the limit", _ep(in_flight=8), {"max_in_flight_per_engine": 8, "learn": False},
+     "in_flight", 0),
+    ("unhealthy", _ep(healthy=False), {}, "unhealthy", 0),
+    ("kv full (fresh)", _ep(kv_usage=0.96, scraped_at=99.0), {}, "kv_usage", 0),
+    ("kv full but stale", _ep(kv_usage=0.99, scraped_at=0.0), {}, None, 32),
+    ("token cap", _ep(in_flight=3, tokens=5000), {"max_in_flight_tokens_per_engine": 4096},
+     "tokens", 0),
+    ("token cap from KV capacity", _ep(in_flight=2, tokens=9600, scraped_at=99.0,
+                                       extra={KV_CAPACITY_TOKENS: 10_000.0}), {}, "tokens", 0),
+    ("engine queue, learning off", _ep(running=4, waiting=3, scraped_at=99.0),
+     {"learn": False}, "engine_waiting", 0),
+]
+
+
+@pytest.mark.parametrize(("name", "ep", "params", "reason", "free"), CASES, ids=[c[0] for c in CASES])
+def test_engine_verdicts(name: str, ep: Endpoint, params: dict[str, object],
+                         reason: str | None, free: int) -> None:
+    view = Saturation(FlowParams.model_validate(params)).view([ep], 100.0)
+    assert view.engines[0].saturated == reason
+    assert view.free() == free
+
+
+def test_limit_is_learned_from_the_engine_queue_and_probed_up() -> None:
+    """Slow start 32 -> 64 while the engine shows no queue; 64 in flight on an engine running
+    16 with 48 waiting: the limit drops to 16; then, full without a queue, +1 once per probe
+    interval."""
+    sat = Saturation(FlowParams(probe_interval_s=30))
+    view = sat.view([_ep(in_flight=32, running=32, waiting=0, scraped_at=0.5)], 0.5)
+    assert view.engines[0].limit == 64
+    view = sat.view([_ep(in_flight=64, running=16, waiting=48, scraped_at=1.0)], 1.0)
+    assert view.engines[0].limit == 16 and view.engines[0].saturated == "in_flight"
+    view = sat.view([_ep(in_flight=16, running=16, waiting=0, scraped_at=2.0)], 2.0)
+    assert view.engines[0].limit == 16  # within the probe interval
+    view = sat.view([_ep(in_flight=16, running=16, waiting=0, scraped_at=40.0)], 40.0)
+    assert view.engines[0].limit == 17 and view.free() == 1
+    view = sat.view([_ep(in_flight=17, running=17, waiting=0, scraped_at=40.0)], 80.0)
+    assert view.engines[0].limit == 17  # the same scrape teaches nothing twice
+    assert (sat.cuts, sat.probes) == (1, 2)
+
+
+def test_replicas_learn_their_share() -> None:
+    """Two replicas with 16 each on a 16-sequence engine: each cuts to 16 (the limit less the
+    queue), then to 8 (its share); when the other replica leaves, the engine shows free seats
+    below its observed batch size and the limit climbs back, one per scrape."""
+    sat = Saturation(FlowParams())
+    view = sat.view([_ep(in_flight=16, running=16, waiting=16, scraped_at=1.0)], 1.0)
+    assert view.engines[0].limit == 16
+    view = sat.view([_ep(in_flight=16, running=16, waiting=16, scraped_at=2.0)], 2.0)
+    assert view.engines[0].limit == 8
+    for t in range(3, 11):
+        view = sat.view([_ep(in_flight=view.engines[0].limit, running=view.engines[0].limit,
+                             waiting=0, scraped_at=float(t))], float(t))
+    assert view.engines[0].limit == 16
+    view = sat.view([_ep(in_flight=16, running=16, waiting=0, scraped_at=12.0)], 12.0)
+    assert view.engines[0].limit == 16  # at the observed batch size: no probe before 300 s
+
+
+def test_pools_saturate_separately() -> None:
+    eps = [_ep("p0", in_flight=4, role=Role.PREFILL), _ep("d0", in_flight=1, role=Role.DECODE)]
+    view = Saturation(FlowParams(max_in_flight_per_engine=4, learn=False)).view(eps, 0.0)
+    assert view.pool_saturated() == {"serving": False, "prefill": True}
+    assert view.free() == 0 and view.capacity == 4
+
+
+def test_engines_gone_are_forgotten() -> None:
+    sat = Saturation(FlowParams())
+    sat.view([_ep("a"), _ep("b")], 0.0)
+    sat.view([_ep("b")], 1.0)
+    assert list(sat.limits()) == ["b"]
+
+
+def test_stale_metrics_are_reported(caplog: pytest.LogCaptureFixture) -> None:
+    view = Saturation(FlowParams(metrics_stale_s=10)).view(
+        [_ep(kv_usage=0.5, scraped_at=0.0)], 60.0)
+    assert view.stale == ("e0",)
+    assert "metrics are 60 s old" in caplog.text
+
+
+def test_the_filter_keeps_each_role_available() -> None:
+    """A full prefill engine next to a free decode engine: the prefill role keeps its engine
+    (a later role filter must still find one); the full 'both' engine is dropped for the free
+    one."""
+    from kvgate.plugins.flow.plugin import FlowControl
+
+    class _NoLookup:
+        def lookup(self, name: str) -> object:
+            raise KeyError(name)
+
+    params = FlowParams(max_in_flight_per_engine=2, learn=False)
+    flow = FlowControl("flow-control", params, _NoLookup())
+    eps = [_ep("p0", in_flight=2, role=Role.PREFILL), _ep("d0", role=Role.DECODE),
+           _ep("b0", in_flight=2), _ep("b1")]
+    kept = flow.filter(None, None, eps)  # type: ignore[arg-type]
+    assert [ep.id for ep in kept] == ["p0", "d0", "b1"]
+    assert flow.unfiltered == 1
