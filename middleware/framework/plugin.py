@@ -7,10 +7,11 @@ All I/O happens in the async hooks. See docs/architecture.md.
 from __future__ import annotations
 
 import random
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, runtime_checkable
 
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict
 
@@ -311,6 +312,14 @@ class MetricsSource(Protocol):
     """Plugins exporting Prometheus metrics: the app registers the collector in its registry."""
 
     def collector(self) -> Collector: ...
+
+
+class NoMetrics(Collector):
+    """A collector with nothing to export (for a :class:`MetricsSource` with nothing to say in
+    its current configuration)."""
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(())
 
 
 @runtime_checkable

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from kvgate.plugins.placement.scorer import KvPlacementScorer
+from kvgate.plugins.placement.state import PlacementView
 
 
 class PlacementCollector(Collector):
-    def __init__(self, scorer: KvPlacementScorer) -> None:
-        self._s = scorer
+    """Reads a :class:`PlacementView` the scorer builds at each scrape."""
+
+    def __init__(self, view: Callable[[], PlacementView]) -> None:
+        self._view = view
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        s = self._s
+        s = self._view()
         decisions = CounterMetricFamily(
             "kvgate_placement_decisions", "Placement decisions by kind", labels=["kind"]
         )
@@ -35,25 +35,25 @@ class PlacementCollector(Collector):
                                   "KV tokens other replicas charged (shared through Redis)",
                                   value=s.stats.remote_inserted_tokens)
         yield GaugeMetricFamily("kvgate_placement_sessions", "Session pins held",
-                                value=len(s._pins))
+                                value=s.sessions)
         yield GaugeMetricFamily("kvgate_placement_own_insertion_sessions", "Sessions whose "
-                                "own recent insertions are tracked", value=len(s._own))
+                                "own recent insertions are tracked", value=s.own_sessions)
         yield GaugeMetricFamily("kvgate_placement_conversations", "Prompts remembered to "
                                 "recognise later turns without session headers",
-                                value=len(s.conversations))
+                                value=s.conversations)
         yield CounterMetricFamily("kvgate_placement_conversation_turns_found", "Requests "
                                   "without session header recognised as a later turn",
-                                  value=s.conversations.found)
+                                  value=s.conversation_turns_found)
         yield CounterMetricFamily("kvgate_placement_conversations_evicted", "Remembered "
                                   "prompts evicted (max_sessions)",
-                                  value=s.conversations.evicted)
+                                  value=s.conversations_evicted)
         yield CounterMetricFamily(
             "kvgate_placement_restored_hints_used",
             "Sessions placed on the engine a restored pin says holds their prefix",
             value=s.stats.hints_used)
         yield GaugeMetricFamily("kvgate_placement_restored_hints",
                                 "Restored pins not yet used by their session",
-                                value=len(s._hints))
+                                value=s.hints)
         pressure = GaugeMetricFamily(
             "kvgate_placement_pressure",
             "Recent KV insertions per token of capacity (decayed by fleet insertions)",
@@ -61,8 +61,8 @@ class PlacementCollector(Collector):
         )
         capacity = GaugeMetricFamily("kvgate_placement_capacity_tokens",
                                      "KV capacity used for placement", labels=["engine"])
-        for engine, value in sorted(s._pressures(s._capacity, s._half_life()).items()):
+        for engine, value in sorted(s.pressures.items()):
             pressure.add_metric([engine], value)
-            capacity.add_metric([engine], s._capacity[engine])
+            capacity.add_metric([engine], s.capacities[engine])
         yield pressure
         yield capacity

@@ -110,7 +110,7 @@ from kvgate.plugins.load.token_load import (
 from kvgate.plugins.placement.conversations import Conversations, Turn
 from kvgate.plugins.placement.insertion_ledger import InsertionLedger, SessionInsertions
 from kvgate.plugins.placement.metrics import PlacementCollector
-from kvgate.plugins.placement.state import PLACEMENT, Placement, PlacementStats
+from kvgate.plugins.placement.state import PLACEMENT, Placement, PlacementStats, PlacementView
 
 #: The request's earlier turn found without a session header (None: looked up, none found).
 _PREVIOUS: StateKey[tuple[Turn | None]] = StateKey("kv-placement-previous-turn")
@@ -448,7 +448,17 @@ class KvPlacementScorer(
             self._hints.pop(session, None)
 
     def collector(self) -> Collector:
-        return PlacementCollector(self)
+        return PlacementCollector(self.metrics_view)
+
+    def metrics_view(self) -> PlacementView:
+        """The numbers ``/metrics`` shows, now."""
+        return PlacementView(
+            stats=self.stats, sessions=len(self._pins), own_sessions=len(self._own),
+            hints=len(self._hints), conversations=len(self.conversations),
+            conversation_turns_found=self.conversations.found,
+            conversations_evicted=self.conversations.evicted,
+            pressures=self._pressures(self._capacity, self._half_life()),
+            capacities=dict(self._capacity))
 
 
 def _held(eps: Sequence[Endpoint], prompt: float, match: PrefixMatch | None,

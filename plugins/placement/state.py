@@ -36,3 +36,21 @@ class Placement:
 
 #: The last placement of a request (for the dispatch hook's statistics).
 PLACEMENT: StateKey[Placement] = StateKey("kv-placement")
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementView:
+    """What ``/metrics`` shows of the scorer, taken at one scrape."""
+
+    stats: PlacementStats
+    #: Session pins held; sessions whose own insertions are tracked; restored pins unused.
+    sessions: int
+    own_sessions: int
+    hints: int
+    #: Prompts remembered to recognise later turns without headers, found, evicted.
+    conversations: int
+    conversation_turns_found: int
+    conversations_evicted: int
+    #: Per engine: recent insertions per token of capacity, and the capacity [tokens].
+    pressures: Mapping[EndpointId, float]
+    capacities: Mapping[EndpointId, int]

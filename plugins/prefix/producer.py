@@ -34,25 +34,22 @@ recomputed) with the ``cached_tokens`` the engine reported; the states judge the
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import ClassVar, Literal
+from collections.abc import Callable, Mapping, Sequence
+from typing import ClassVar
 
-from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel
 
 from kvgate.middleware.framework.errors import ConfigError
-from kvgate.middleware.framework.immutable import immutable
 from kvgate.middleware.framework.plugin import (
     DataProducer,
     DispatchHook,
     EndpointSetListener,
     Lifecycle,
+    NoMetrics,
     Plugin,
     PluginLookup,
-    Scorer,
     UsageHook,
 )
 from kvgate.middleware.framework.types import (
@@ -62,7 +59,6 @@ from kvgate.middleware.framework.types import (
     EndpointId,
     InferenceRequest,
     RoutingDecision,
-    StateKey,
     Usage,
 )
 from kvgate.plugins.common.state import (
@@ -73,9 +69,22 @@ from kvgate.plugins.common.state import (
     TOKEN_IDS_INEXACT,
     PrefixMatch,
 )
+from kvgate.plugins.prefix.dispatch_state import (
+    CHECK,
+    EVENT_HASHES,
+    PREDICTED,
+    RECORD_HASHES,
+    RUNS,
+    SHARED_TIER,
+    Check,
+    Found,
+    Hashes,
+    record_expiry,
+)
 from kvgate.plugins.prefix.events.health import IndexHealth
 from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
 from kvgate.plugins.prefix.index.index import HashingError, KvIndex, engine_of
+from kvgate.plugins.prefix.producer_params import ProducerParams
 from kvgate.plugins.prefix.record_chains import EVENTS, ChainMemo
 from kvgate.plugins.prefix.shared_record import RecordShare, start_record_share
 from kvgate.plugins.prefix.shared_tier import SHARED_HOLDER, fold_shared
@@ -84,53 +93,6 @@ from kvgate.plugins.prefix.shared_tier import SHARED_HOLDER, fold_shared
 _NO_ENGINES: frozenset[EndpointId] = frozenset()
 
 log = logging.getLogger("kvgate.prefix_cache")
-
-
-Hashes = dict[int, list[int]]
-Found = dict[EndpointId, tuple[int, int]]
-
-#: The prompt's own block hashes per block size: for the KV-event index (no tenant scope) and
-#: for the gateway's record (tenant-scoped), computed by the producer for its dispatch hook.
-_EVENT_HASHES: StateKey[Hashes] = StateKey("prefix-cache-event-hashes")
-_RECORD_HASHES: StateKey[Hashes] = StateKey("prefix-cache-record-hashes")
-#: What the KV-event index predicted per engine (device, other), before this dispatch.
-_PREDICTED: StateKey[Found] = StateKey("prefix-cache-predicted")
-#: Of each engine's prediction, the tokens confirmed by events and not learnt from usage.
-_RUNS: StateKey[Found] = StateKey("prefix-cache-runs")
-#: Leading prompt tokens in the fleet's shared tier (plugins/prefix/shared_tier.py), when any.
-_SHARED: StateKey[int] = StateKey("prefix-cache-shared-tier")
-
-
-@immutable
-class _Check:
-    """A dispatch to one engine whose usage will be compared with the prediction."""
-
-    target: EndpointId
-    predicted: int
-    block_size: int
-    prompt_tokens: int
-    dispatched_at: float
-    inexact: bool
-    #: Of ``predicted``, the tokens known from the engine's own events (the rest: speculative).
-    confirmed: int = 0
-    #: Of ``predicted``, the tokens the index knew without learning them from usage: what the
-    #: health check judges (learnt entries route well but must not hide missing events).
-    unlearned: int | None = None
-    #: The KV-event index's removal sequence at dispatch (evictions after it: in flight).
-    removals: int = 0
-
-
-_CHECK: StateKey[_Check] = StateKey("prefix-cache-check")
-#: Record expiries are rounded up to a whole multiple of this many seconds, so the requests of
-#: one second that repeat or share a chain find its tail already held until that expiry and
-#: only refresh its LRU order (KvIndex's prefix-closed fast path) instead of rewriting every
-#: block's expiry. A record lives at most this much longer than ``record_ttl_s`` (600 s).
-RECORD_EXPIRY_STEP_S = 1.0
-
-
-def record_expiry(now: float, ttl_s: float) -> float:
-    """``now + ttl_s`` rounded up to a multiple of :data:`RECORD_EXPIRY_STEP_S`."""
-    return math.ceil((now + ttl_s) / RECORD_EXPIRY_STEP_S) * RECORD_EXPIRY_STEP_S
 
 
 class PrefixCacheProducer(
@@ -153,45 +115,7 @@ class PrefixCacheProducer(
     produces: ClassVar[frozenset[str]] = frozenset({PREFIX_MATCH.name})
     consumes: ClassVar[frozenset[str]] = frozenset({TOKEN_IDS.name})
 
-    class Params(BaseModel):
-        model_config = ConfigDict(extra="forbid", frozen=True)
-        mode: Literal["precise", "approximate", "auto"] = "precise"
-        #: precise / auto: name of the ``kv-events`` plugin instance (declared before this one;
-        #: optional in auto mode).
-        events: str = "kv-events"
-        #: precise / auto: lifetime of speculative entries, seconds (0: no speculation).
-        speculative_ttl_s: float = Field(2.0, ge=0)
-        #: precise / auto: lifetime of what an engine's reported ``cached_tokens`` taught the
-        #: index (prefixes it held that no event announced: cached before the gateway started
-        #: or before its subscription caught up), seconds; refreshed by every later report,
-        #: dropped by a lower one. 300: longer than a coding agent's think time between turns,
-        #: short enough that a prefix the engine evicted silently is not chased for long.
-        learned_ttl_s: float = Field(300.0, ge=0)
-        #: approximate / auto: tokens per block of the gateway's own record. 64 keeps hashing a
-        #: 10k-token prompt to ~160 blocks while losing at most 63 tokens of a match.
-        block_size: int = Field(64, ge=1)
-        #: approximate / auto: (engine, block) pairs kept, all engines together (~200 B each).
-        capacity_blocks: int = Field(262_144, ge=1)
-        #: approximate / auto: blocks kept per engine when its metrics do not report its KV
-        #: capacity (``kv_capacity_tokens``); null: only the global bound.
-        engine_capacity_blocks: int | None = Field(None, ge=1)
-        #: approximate / auto: lifetime of a record after the last request that used it, s.
-        record_ttl_s: float = Field(600.0, gt=0)
-        #: Bytes of recent prompts' token ids and hashes kept so that a prompt extending one of
-        #: them is hashed only past it (plugins/prefix/record_chains.py), per chain (the
-        #: record's, the KV-event index's); 32 MiB: ~160 agent prompts of 200 KiB; 0: off.
-        chain_memo_bytes: int = Field(32 * 1024 * 1024, ge=0)
-        #: approximate / auto: a tenant's requests only match that tenant's records.
-        scope_by_tenant: bool = True
-        #: Models served as LoRA adapters (their blocks carry the adapter name as extra key).
-        lora_adapters: frozenset[str] = frozenset()
-        #: KV-cache group matched (0: the full-attention group of ordinary models).
-        group_idx: int = Field(0, ge=0)
-        #: auto: seconds an engine stays ``degraded`` before it is reported ``approximate``.
-        fallback_after_s: float = Field(10.0, ge=0)
-        #: approximate / auto: share the record's insertions with the other replicas through
-        #: this Redis (default: ``shared_state.redis_url``; plugins/prefix/shared_record.py).
-        redis_url: SecretStr | None = None
+    Params: ClassVar[type[ProducerParams]] = ProducerParams
 
     example_params: ClassVar[Mapping[str, object]] = {"mode": "approximate", "block_size": 64}
 
@@ -288,7 +212,7 @@ class PrefixCacheProducer(
         states never change, and a second producer would register the same names."""
         if self._owns_health and self.p.mode == "auto":
             return self.states.collector()
-        return _NoMetrics()
+        return NoMetrics()
 
     # -- hashing and matching ---------------------------------------------------------------
     def prompt_hashes(
@@ -370,10 +294,10 @@ class PrefixCacheProducer(
             if self.events is not None and exact_ids:
                 hashes = self.prompt_hashes(req, tokens, self.events.block_sizes(self.p.group_idx),
                                             scoped=False)
-                state.put(_EVENT_HASHES, hashes)
+                state.put(EVENT_HASHES, hashes)
                 runs: Found = {}
                 precise = self._match(self.events, hashes, wanted, runs)
-                state.put(_RUNS, runs)
+                state.put(RUNS, runs)
                 shared = sum(self.events.match(hashes, self.clock(), self.p.group_idx,
                                                [SHARED_HOLDER]).get(SHARED_HOLDER, (0, 0)))
             if self.record is not None:
@@ -381,17 +305,17 @@ class PrefixCacheProducer(
                 # sharing group's scope, as on the engines), else by tenant
                 hashes = self.prompt_hashes(req, tokens, self._record_sizes,
                                             scoped=True, by_salt=CACHE_SALT in state)
-                state.put(_RECORD_HASHES, hashes)
+                state.put(RECORD_HASHES, hashes)
                 approx = self._match(self.record, hashes, wanted)
         except HashingError:
             return
-        state.put(_PREDICTED, precise)
-        chains = state.get(_RECORD_HASHES) or state.get(_EVENT_HASHES)
+        state.put(PREDICTED, precise)
+        chains = state.get(RECORD_HASHES) or state.get(EVENT_HASHES)
         if chains:
             size = min(chains)
             state.put(PROMPT_CHAIN, (size, chains[size]))
         if shared:
-            state.put(_SHARED, shared)
+            state.put(SHARED_TIER, shared)
         # the fleet's shared tier (KV events with locality REMOTE) is reachable from every engine
         state.put(PREFIX_MATCH, fold_shared(
             self._combine(len(tokens), eps, precise, approx, exact_ids), shared, wanted))
@@ -409,7 +333,7 @@ class PrefixCacheProducer(
             hashes = {size: self.chains.chain(tokens, size, group_idx=group, scope=scope)}
         except HashingError:
             return
-        state.put(_RECORD_HASHES, hashes)
+        state.put(RECORD_HASHES, hashes)
         state.put(PROMPT_CHAIN, (size, hashes[size]))
         # the record's holders are the engines themselves (it records engine ids, no ranks):
         # matched in the candidates' order, as the general path's
@@ -457,24 +381,24 @@ class PrefixCacheProducer(
                     f"token ids are not the engine's ({inexact}): KV events can never match"))
         if self.events is not None and decision.prefill in (None, decision.target):
             target = decision.target.id
-            dev, oth = (state.get(_PREDICTED) or {}).get(target, (0, 0))
+            dev, oth = (state.get(PREDICTED) or {}).get(target, (0, 0))
             size = self.events.block_size(target, self.p.group_idx)
             # the engine loads the shared tier's prefix beyond its own, and reports it cached;
             # the tier is known from (the store's) events, not learnt from usage
-            shared = state.get(_SHARED) or 0
+            shared = state.get(SHARED_TIER) or 0
             predicted = max(dev + oth, shared)
             # tokens of the match known from events / not learnt from usage, found by its walk
             # (this dispatch's speculation changes neither within the predicted prefix)
-            confirmed, unlearned = (state.get(_RUNS) or {}).get(target, (0, 0))
+            confirmed, unlearned = (state.get(RUNS) or {}).get(target, (0, 0))
             confirmed, unlearned = max(confirmed, shared), max(unlearned, shared)
-            state.put(_CHECK, _Check(target, predicted, size, len(tokens), now,
+            state.put(CHECK, Check(target, predicted, size, len(tokens), now,
                                      inexact is not None, min(confirmed, predicted),
                                      min(unlearned, predicted), self.events.removals.seq))
 
     def _speculate(self, req: InferenceRequest, state: CycleState, ep: Endpoint,
                    tokens: Sequence[int], now: float) -> None:
         """KV-event index: speculative entries, and the prompt for re-keying orphans."""
-        hashes = state.get(_EVENT_HASHES)
+        hashes = state.get(EVENT_HASHES)
         if self.events is None or hashes is None:
             return
         size = self.events.block_size(ep.id, self.p.group_idx)
@@ -486,10 +410,10 @@ class PrefixCacheProducer(
         self.events.remember(ep.id, tokens, hashes[size], block_size=size,
                              group_idx=self.p.group_idx)
 
-    def _evicted(self, state: CycleState, check: _Check, reported: int, judged: int) -> bool:
+    def _evicted(self, state: CycleState, check: Check, reported: int, judged: int) -> bool:
         """Whether the engine removed, after the dispatch, a block the index predicted beyond
         what the engine reported (an eviction while the request was in flight)."""
-        hashes = state.get(_EVENT_HASHES)
+        hashes = state.get(EVENT_HASHES)
         if self.events is None or hashes is None or judged <= reported:
             return False
         size = check.block_size
@@ -497,7 +421,7 @@ class PrefixCacheProducer(
         return self.events.removals.removed_after(check.target, blocks, check.removals)
 
     def _record(self, state: CycleState, ep: Endpoint, now: float) -> None:
-        hashes = state.get(_RECORD_HASHES)
+        hashes = state.get(RECORD_HASHES)
         if self.record is None or hashes is None:
             return
         self.record.record(ep.id, hashes[self.p.block_size],
@@ -515,7 +439,7 @@ class PrefixCacheProducer(
         hit is at most ``floor((prompt_tokens - 1) / block_size) * block_size`` tokens
         (``KVCacheManager.get_computed_blocks``: ``max_cache_hit_length = num_tokens - 1``); the
         prediction is capped the same way."""
-        check = state.get(_CHECK)
+        check = state.get(CHECK)
         if check is None or check.target != target.id:
             return
         size = check.block_size
@@ -545,7 +469,7 @@ class PrefixCacheProducer(
         that took under a quarter of the TTL leaves them as they are (they still live at least
         3/4 of the TTL past its end): re-recording is a pass over every block of the prompt
         (~1 ms at 100k tokens in blocks of 16), the dearest step of a short request."""
-        hashes = (state.get(_EVENT_HASHES) or {}).get(size)
+        hashes = (state.get(EVENT_HASHES) or {}).get(size)
         ttl = self.p.speculative_ttl_s
         if self.events is None or not hashes or ttl <= 0:
             return
@@ -560,7 +484,7 @@ class PrefixCacheProducer(
         entries (``learned_ttl_s``); learnt entries beyond them are dropped (the engine no
         longer held those). Entries from its events, and speculation (the blocks this request
         is storing, until their events arrive), are left as they are."""
-        hashes = (state.get(_EVENT_HASHES) or {}).get(size)
+        hashes = (state.get(EVENT_HASHES) or {}).get(size)
         if self.events is None or not hashes or self.p.learned_ttl_s <= 0:
             return
         held = min(reported // size, len(hashes))
@@ -571,53 +495,3 @@ class PrefixCacheProducer(
             self.events.stats.learned_blocks += held
         self.events.stats.unlearned_blocks += self.events.forget_records(
             engine, hashes[held:], now + self.p.speculative_ttl_s)
-
-
-class _NoMetrics(Collector):
-    def collect(self) -> Iterator[Metric]:
-        return iter(())
-
-
-class PrefixCacheScorer(Plugin, Scorer):
-    """Plugin ``prefix-cache-scorer``: the share of the prompt an engine already holds.
-
-    ``score = (device_tokens + other_tier_weight * other_tokens) / prompt_tokens`` in [0, 1];
-    engines without a match (or requests without PREFIX_MATCH) score 0.
-
-    Why ``other_tier_weight`` defaults to 0.5: a block on a slower tier (CPU memory, disk, a
-    remote store) still saves its prefill compute but must be copied to the GPU first. From CPU
-    memory over PCIe that copy costs ~10 % of recomputing it; from disk or over the network
-    30-70 %. One weight covers all non-device tiers, so the middle of that range is taken; a
-    device hit is always worth more than the same hit on another tier.
-    """
-
-    type_name: ClassVar[str] = "prefix-cache-scorer"
-    consumes: ClassVar[frozenset[str]] = frozenset({PREFIX_MATCH.name})
-
-    class Params(BaseModel):
-        model_config = ConfigDict(extra="forbid", frozen=True)
-        #: Value of a token matched on a non-device tier relative to one on the device (0..1).
-        other_tier_weight: float = Field(0.5, ge=0, le=1)
-
-    example_params: ClassVar[Mapping[str, object]] = {"other_tier_weight": 0.5}
-
-    def __init__(self, name: str, params: BaseModel, plugins: PluginLookup) -> None:
-        super().__init__(name, params, plugins)
-        assert isinstance(params, PrefixCacheScorer.Params)
-        self.other_tier_weight = params.other_tier_weight
-
-    def score(
-        self, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]
-    ) -> Mapping[EndpointId, float]:
-        match = state.get(PREFIX_MATCH)
-        if match is None or match.prompt_tokens <= 0:
-            return {}
-        total = float(match.prompt_tokens)
-        weight = self.other_tier_weight
-        return {
-            ep.id: min(
-                1.0,
-                (match.device.get(ep.id, 0) + weight * match.other.get(ep.id, 0)) / total,
-            )
-            for ep in eps
-        }

@@ -23,7 +23,8 @@ from kvgate.middleware.serving.requests import load_body
 from kvgate.middleware.serving.states import StateMap, StateMapCollector
 from kvgate.plugins.common.state import PREFIX_MATCH
 from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
-from kvgate.plugins.prefix.producer import PrefixCacheProducer, PrefixCacheScorer
+from kvgate.plugins.prefix.producer import PrefixCacheProducer
+from kvgate.plugins.prefix.scorer import PrefixCacheScorer
 from kvgate.plugins.prefix.tokenizer import Tokenizer
 from tests.plugin_helpers import NoLookup
 from tests.unit.middleware.fakes import Best

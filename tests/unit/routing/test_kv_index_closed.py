@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import pytest
 
+from kvgate.plugins.prefix.dispatch_state import RECORD_EXPIRY_STEP_S, record_expiry
 from kvgate.plugins.prefix.index.index import DEVICE, LEARNED, KvIndex
-from kvgate.plugins.prefix.producer import RECORD_EXPIRY_STEP_S, record_expiry
 
 BS = 64
 

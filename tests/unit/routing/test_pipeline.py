@@ -16,7 +16,8 @@ from kvgate.middleware.framework.errors import ConfigError
 from kvgate.middleware.framework.types import Api, CycleState, Endpoint, RoutingDecision
 from kvgate.plugins.common.state import PREFIX_MATCH, PrefixMatch
 from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
-from kvgate.plugins.prefix.producer import PrefixCacheProducer, PrefixCacheScorer
+from kvgate.plugins.prefix.producer import PrefixCacheProducer
+from kvgate.plugins.prefix.scorer import PrefixCacheScorer
 from kvgate.plugins.prefix.tokenizer import Tokenizer
 from tests.unit.middleware.fakes import Best
 from tests.unit.routing.helpers import endpoint, frames, request, stored

@@ -10,7 +10,8 @@ from kvgate.middleware.framework.errors import ConfigError
 from kvgate.middleware.framework.types import Api, CycleState, Endpoint, RoutingDecision
 from kvgate.plugins.common.state import PREFIX_MATCH, TOKEN_IDS, PrefixMatch
 from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
-from kvgate.plugins.prefix.producer import PrefixCacheProducer, PrefixCacheScorer
+from kvgate.plugins.prefix.producer import PrefixCacheProducer
+from kvgate.plugins.prefix.scorer import PrefixCacheScorer
 from tests.unit.routing.helpers import (
     Clock,
     Lookup,
