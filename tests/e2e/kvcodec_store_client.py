@@ -1,5 +1,5 @@
 """Real K/V through a real Mooncake Store with the codec's :class:`CodecStore`; run it with the
-ENGINE venv's python (torch), ``PYTHONPATH`` holding only ``engines/kvcodec``
+ENGINE venv's python (torch), ``PYTHONPATH`` holding only ``kvgate/engines/kvcodec``
 (kvgate.engines.kvcodec.venv.engine_side_path), and the Mooncake venv's site-packages as an argument
 (appended to ``sys.path``: both venvs come from the same base interpreter, the engine venv's
 packages win). The store is configured like LMCache's connector by mooncake_store_client.py.

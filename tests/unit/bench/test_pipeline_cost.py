@@ -45,6 +45,7 @@ def test_a_tiny_real_run(tmp_path: Path) -> None:
         "prepare session-affinity-scorer", "schedule (filters, scorers, picker)",
         "before_dispatch prefix-cache-producer", "before_dispatch session-affinity-scorer",
         "before_dispatch token-load-scorer", "before_dispatch kv-placement-scorer",
+        "before_dispatch flow-control",
         "on_usage (all)", "on_complete, on_request_end (all)"]
     assert all(us > 0 for us in stages.values())
     total = doc["summary"]["total_us"]

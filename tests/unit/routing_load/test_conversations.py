@@ -1,4 +1,4 @@
-"""Conversations recognised without session headers (plugins/conversations.py) and what the
+"""Conversations recognised without session headers (plugins/placement/conversations.py) and what the
 placement scorer does with them: a conversation's own growth does not push it off its engine,
 while a new session sharing only a system prompt is not taken for someone's later turn."""
 
