@@ -22,6 +22,14 @@ KVGATE = "kvgate"
 #: middleware/transport/h1server.py became the default: the before/after of the front end in one
 #: run.
 KVGATE_UVICORN = "kvgate-uvicorn"
+#: kvgate with aiohttp as the engine call's transport for every engine (``kvgate serve
+#: --engine-client aiohttp``) instead of its own HTTP/1.1 client
+#: (middleware/transport/h1client.py): what
+#: the lean client saves, in one run.
+KVGATE_AIOHTTP = "kvgate-aiohttp"
+#: kvgate's ASGI app served by granian (Rust HTTP server; bench/granian_kvgate.py), to compare
+#: HTTP front ends: kvgate's own, uvicorn's protocol, granian.
+KVGATE_GRANIAN = "kvgate-granian"
 #: kvgate from another checkout (``KVGATE_BASE_TREE``: a ``git worktree`` of the commit to
 #: compare with, put first on ``PYTHONPATH``; the venv's installed dependencies and entry points
 #: are shared): a before/after of any change in one run.
@@ -99,6 +107,16 @@ def _kvgate_uvicorn(upstream: str, port: int, aux: int, root: Path) -> list[str]
     return [*_kvgate(upstream, port, aux, root), "--http", "uvicorn"]
 
 
+def _kvgate_aiohttp(upstream: str, port: int, aux: int, root: Path) -> list[str]:
+    return [*_kvgate(upstream, port, aux, root), "--engine-client", "aiohttp"]
+
+
+def _kvgate_granian(upstream: str, port: int, _aux: int, _root: Path) -> list[str]:
+    root = Path(__file__).resolve().parent.parent  # it starts in its own empty directory
+    return ["env", f"PYTHONPATH={root}", sys.executable, "-m", "bench.granian_kvgate",
+            "--engine", upstream, "--host", "127.0.0.1", "--port", str(port)]
+
+
 def _base_env() -> list[str]:
     tree = os.environ.get(BASE_TREE_ENV)
     root = Path(tree or ".")
@@ -167,6 +185,10 @@ def catalogue() -> dict[str, System]:
                ready_path="/v1/models", own_workdir=True),
         System(KVGATE_UVICORN, _kvgate_uvicorn, start_timeout_s=120.0, ready_path="/v1/models",
                own_workdir=True),
+        System(KVGATE_AIOHTTP, _kvgate_aiohttp, start_timeout_s=120.0, ready_path="/v1/models",
+               own_workdir=True),
+        System(KVGATE_GRANIAN, _kvgate_granian, start_timeout_s=120.0,
+               ready_path="/v1/models", own_workdir=True),
         System(KVGATE_BASE, _kvgate_base, start_timeout_s=120.0, ready_path="/v1/models",
                own_workdir=True),
         System(VLLM_ROUTER, _vllm_router_with("round_robin"), tool=venvs.VLLM_ROUTER),

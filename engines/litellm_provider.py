@@ -34,10 +34,14 @@ from typing import Any, ClassVar
 from kvgate.middleware.framework.backend import BackendReply, BackendStep
 from kvgate.middleware.framework.errors import (
     BadRequest,
+    EngineFailed,
+    EngineStatus,
+    EngineTimeout,
     HTTPError,
     ModelNotFound,
     RateLimited,
     Unauthorized,
+    Unreachable,
     UpstreamError,
 )
 from kvgate.middleware.framework.types import Api, InferenceRequest, Usage
@@ -95,9 +99,9 @@ def map_error(exc: BaseException, step: BackendStep) -> HTTPError:
 
     text = str(exc)[:MAX_MESSAGE]
     if isinstance(exc, openai.APITimeoutError):
-        return UpstreamError(f"provider timed out: {step.target}", status=504)
+        return EngineTimeout(f"provider timed out: {step.target}")
     if isinstance(exc, openai.APIConnectionError):
-        return UpstreamError(f"cannot reach provider for {step.target}: {text}")
+        return Unreachable(f"cannot reach provider for {step.target}: {text}")
     status = getattr(exc, "status_code", None)
     if status in (400, 422):
         return BadRequest(text, code="provider_bad_request")
@@ -110,8 +114,10 @@ def map_error(exc: BaseException, step: BackendStep) -> HTTPError:
         return ModelNotFound(f"the provider does not serve {step.target!r}: {text}")
     if status == 429:
         return RateLimited(f"provider rate limit: {text}", code="provider_rate_limited")
-    retryable = isinstance(status, int) and status >= 500
-    return UpstreamError(f"provider error for {step.target}: {text}", retryable=retryable)
+    code = status if isinstance(status, int) else None
+    if code is not None and code >= 500:
+        return EngineFailed(f"provider error for {step.target}: {text}", code)
+    return EngineStatus(f"provider error for {step.target}: {text}", code)
 
 
 async def _close(stream: Any) -> None:

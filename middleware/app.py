@@ -60,9 +60,10 @@ from kvgate.middleware.transport.asgi import (
     header_map,
     read_body,
     send_bytes,
-    send_error,
     send_json,
 )
+from kvgate.middleware.transport.engine_call import AiohttpTransport
+from kvgate.middleware.transport.error_response import send_error
 from kvgate.middleware.transport.h1client import H1Client, H1Collector, host_port
 from kvgate.middleware.transport.h1limits import H1Limits, H1LimitsCollector
 
@@ -151,8 +152,10 @@ class KvgateApp:
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
         )
         self.gateway.session = self._session
-        self._client = H1Client(self.config.server.connections_per_engine)
-        self.gateway.dispatcher.client = self._client
+        lean = None
+        if self.config.server.engine_client == "lean":
+            lean = self._client = H1Client(self.config.server.connections_per_engine)
+        self.gateway.dispatcher.engine.bind(AiohttpTransport(self._session), lean)
         await self.pool.start(self._session)
         for plugin in self.pipeline.lifecycles:
             await plugin.start()
@@ -241,13 +244,13 @@ class KvgateApp:
             else:
                 await self._plugin_route(scope, receive, send)
         except HTTPError as err:
-            await send_error(send, err, [])
+            await send_error(send, err)
         except ClientGone:
             return
         except Exception:
             rid = uuid.uuid4().hex
             log.exception("unexpected error on %s %s (request %s)", method, path, rid)
-            await send_error(send, internal_error(rid), [])
+            await send_error(send, internal_error(rid))
 
     async def _plugin_route(self, scope: Scope, receive: Receive, send: Send) -> None:
         path, method = scope["path"], scope["method"]

@@ -108,8 +108,10 @@ def quick_start(args: argparse.Namespace) -> QuickStart:
 
 
 def server_flags(args: argparse.Namespace) -> dict[str, object]:
-    """The ``server`` settings given as flags (``--host``, ``--port``, ``--admin-port``)."""
-    given = (("host", args.host), ("port", args.port), ("admin_port", args.admin_port))
+    """The ``server`` settings given as flags (``--host``, ``--port``, ``--admin-port``,
+    ``--engine-client``)."""
+    given = (("host", args.host), ("port", args.port), ("admin_port", args.admin_port),
+             ("engine_client", getattr(args, "engine_client", None)))
     return {k: v for k, v in given if v is not None}
 
 
@@ -135,7 +137,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             server = ServerConfig.model_validate({**config.server.model_dump(),
                                                   **server_flags(args)})
         except ValidationError as exc:
-            raise ConfigError(f"--host/--port/--admin-port: {exc.errors()[0]['msg']}") from None
+            raise ConfigError(f"--host/--port/--admin-port/--engine-client: "
+                              f"{exc.errors()[0]['msg']}") from None
         config = config.model_copy(update={"server": server})
     config = with_billing(config, prices=args.prices, ledger=args.ledger, keys=args.keys)
     config = with_quotas(with_shared_state(config, args.redis))
@@ -207,6 +210,9 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="HTTP/1.1 protocol (default kvgate: middleware/transport/h1server.py; "
                    "uvicorn: "
                    "uvicorn's httptools protocol, as before)")
+    p.add_argument("--engine-client", choices=["aiohttp", "lean"],
+                   help="the engine call's transport for http:// engines (server.engine_client; "
+                   "default lean: middleware/transport/h1client.py)")
     p.set_defaults(func=_cmd_serve)
 
 

@@ -4,8 +4,9 @@ engine (two-hop dispatch, prefill/decode disaggregation).
 A connector is pure request shaping: it turns the client's body into the prefill hop's body and
 the decode hop's body, and reads the prefill side's cache hit from the prefill answer. The
 gateway (:mod:`kvgate.middleware.serving.disagg`) does all the I/O. Connectors live in ``engines/``
-and are found through the ``kvgate.connectors`` entry-point group (``name`` -> class); the core and
-the routing plugins name none of them. The config's ``disaggregation.connector`` picks one.
+and are
+found through the ``kvgate.connectors`` entry-point group (``name`` -> class); the core and the
+routing plugins name none of them. The config's ``disaggregation.connector`` picks one.
 
 Two shapes exist:
 
@@ -34,7 +35,11 @@ from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 import aiohttp
 from pydantic import BaseModel
 
+from kvgate.middleware.framework.errors import TransferUnavailable
 from kvgate.middleware.framework.types import Endpoint, InferenceRequest
+
+__all__ = ["Connector", "DecodeCachedConvention", "HopContext", "PrefillHit",
+           "TransferUnavailable", "reported_cached", "rewrite_usage"]
 
 #: How a decode engine reports ``cached_tokens`` after receiving transferred KV: ``prefill-hit``
 #: (vLLM >= 0.32 reports the prefill side's own hit, ``remote_prefill_cached_tokens``) or
@@ -106,10 +111,6 @@ class Connector(Protocol):
         """A hop of the request shaped with ``ctx`` failed: drop whatever :meth:`prepare`
         cached for its prefill engine, so the next request asks again."""
         ...
-
-
-class TransferUnavailable(Exception):
-    """The prefill answer cannot drive a KV transfer: decode the request locally instead."""
 
 
 def _int(value: object) -> int | None:

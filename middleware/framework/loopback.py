@@ -21,7 +21,7 @@ import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvgate.middleware.framework.errors import UpstreamError
+from kvgate.middleware.framework.errors import BadAnswer, UpstreamError
 from kvgate.middleware.framework.plugin import AsgiApp, Authenticator, PrincipalLookup
 from kvgate.middleware.framework.types import Endpoint, LoopbackResponse, Message, Principal, Scope
 
@@ -46,7 +46,7 @@ def loopback_context(scope: Scope) -> LoopbackContext | None:
 
 class Loopback:
     """Calls ``app`` in process. ``max_bytes`` bounds one collected answer (a larger one is a
-    502 ``UpstreamError``, not retryable): 64 MiB, well past any JSON answer an engine gives
+    502 ``BadAnswer``, not retried): 64 MiB, well past any JSON answer an engine gives
     to one request, yet bounding what one job makes the gateway hold."""
 
     def __init__(self, app: AsgiApp, authenticator: Authenticator | None,
@@ -138,7 +138,7 @@ class _Collector:
             self.size += len(chunk)
             if self.size > self._max:
                 self._done.set()
-                raise UpstreamError(f"answer exceeds {self._max} bytes", retryable=False)
+                raise BadAnswer(f"answer exceeds {self._max} bytes")
             self.chunks.append(chunk)
             if not message.get("more_body", False):
                 self._done.set()
@@ -146,7 +146,7 @@ class _Collector:
     def response(self) -> LoopbackResponse:
         self._done.set()
         if self.status == 0:
-            raise UpstreamError("the gateway sent no answer", retryable=True)
+            raise UpstreamError("the gateway sent no answer")
         return LoopbackResponse(self.status, self.headers, b"".join(self.chunks))
 
 

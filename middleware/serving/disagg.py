@@ -46,17 +46,20 @@ from kvgate.middleware.framework.connector import (
     DecodeCachedConvention,
     HopContext,
     PrefillHit,
-    TransferUnavailable,
     reported_cached,
     rewrite_usage,
 )
-from kvgate.middleware.framework.errors import UpstreamError, UpstreamHTTPError
+from kvgate.middleware.framework.errors import TransferUnavailable, UpstreamError
 from kvgate.middleware.framework.types import InferenceRequest, RoutingDecision, Usage
 from kvgate.middleware.observe.tracing import Tracing, hop_done
 from kvgate.middleware.serving.context import Attempt, RequestContext
-from kvgate.middleware.serving.upstream import open_request, parse_answer, read_answer
+from kvgate.middleware.serving.upstream import parse_answer, read_answer
+from kvgate.middleware.transport.engine_call import EngineCall
 
 log = logging.getLogger("kvgate.disagg")
+#: What makes a request fall back to decoding locally: its prefill hop failed (any engine
+#: error, an engine's 4xx included), or the transfer cannot be set up.
+PREFILL_FAILED = (UpstreamError, TransferUnavailable)
 
 _ROOM_BITS = 63  # SGLang's bootstrap_room: a random int in [0, 2^63 - 1]
 
@@ -132,7 +135,7 @@ class TwoHop:
     """Runs one request over a prefill and a decode engine with a connector."""
 
     def __init__(
-        self, connector: Connector, pool: EndpointPool, timeout: aiohttp.ClientTimeout,
+        self, connector: Connector, pool: EndpointPool, engine: EngineCall,
         settle_timeout_s: float, seed: int, count: Callable[[str], None] | None = None,
         tracing: Tracing | None = None,
     ) -> None:
@@ -140,7 +143,7 @@ class TwoHop:
         self.tracing = tracing if tracing is not None else Tracing.off()
         self._count = count
         self.pool = pool
-        self.timeout = timeout
+        self.engine = engine
         self.settle_timeout_s = settle_timeout_s
         self.rng = random.Random(seed)
         #: Counters for tests and metrics: two-hop requests, fallbacks, cancelled prefills.
@@ -173,9 +176,9 @@ class TwoHop:
         prefill = _bound(self._prefill, rc)
         prefill = prefill if done is None else _reporting(prefill, done)
         if self.connector.concurrent:
-            await self._concurrent(prefill, session, rc, ctx, forward, progress)
+            await self._concurrent(prefill, rc, ctx, forward, progress)
         else:
-            await self._sequential(prefill, session, rc, ctx, forward, progress)
+            await self._sequential(prefill, rc, ctx, forward, progress)
 
     def _decode_body(
         self, rc: RequestContext, ctx: HopContext, answer: Mapping[str, Any] | None
@@ -185,27 +188,18 @@ class TwoHop:
         return self.connector.decode_body(req, dict(prepared), ctx, answer)
 
     async def _prefill(
-        self, rc: RequestContext, session: aiohttp.ClientSession, req: InferenceRequest,
-        ctx: HopContext, hit: PrefillHit,
+        self, rc: RequestContext, req: InferenceRequest, ctx: HopContext, hit: PrefillHit,
     ) -> dict[str, Any]:
-        """The prefill hop: POST, read the JSON answer, record its cache hit."""
+        """The prefill hop: POST through the engine call (an engine that cannot be reached
+        leaves the rotation there), read the JSON answer, record its cache hit."""
         prefill = ctx.prefill
         body = self.connector.prefill_body(req, dict(req.body), ctx)
-        headers = {"content-type": "application/json", "x-request-id": req.request_id,
-                   **self.pool.headers(prefill.id)}
-        url = prefill.url + rc.adapter.upstream_path(rc.path)
         lease = self.pool.acquire(prefill.id, req.prompt_token_estimate)
         attrs = {"kvgate.engine": prefill.id, "kvgate.role": "prefill"}
         try:
             with self.tracing.span("kvgate.upstream", attrs, client=True) as span:
-                self.tracing.inject(headers, rc.headers)
-                try:
-                    resp = await open_request(session, url, orjson.dumps(body), headers,
-                                              self.timeout)
-                except UpstreamError as err:
-                    if err.unreachable:
-                        self.pool.report_failure(prefill.id, err.message)
-                    raise
+                resp = await self.engine.open(prefill, rc.adapter.upstream_path(rc.path),
+                                              orjson.dumps(body), req.request_id, rc.headers)
                 raw = await read_answer(resp, None)
                 hop_done(span, resp.status, time.monotonic(), rc.request.received_at)
         finally:
@@ -222,15 +216,15 @@ class TwoHop:
                     req.request_id, ctx.prefill.id, why, ctx.decode.id)
 
     async def _sequential(
-        self, prefill: _PrefillFn, session: aiohttp.ClientSession, rc: RequestContext,
-        ctx: HopContext, forward: Forward, progress: Attempt,
+        self, prefill: _PrefillFn, rc: RequestContext, ctx: HopContext, forward: Forward,
+        progress: Attempt,
     ) -> None:
         req = rc.request
         hit = PrefillHit()
         try:
-            answer = await prefill(session, req, ctx, hit)
+            answer = await prefill(req, ctx, hit)
             body = self._decode_body(rc, ctx, answer)
-        except (UpstreamError, UpstreamHTTPError, TransferUnavailable) as err:
+        except PREFILL_FAILED as err:
             self.connector.hop_failed(ctx)
             self._fallback(req, ctx, _why(err))
             await forward(None, None, progress)
@@ -240,12 +234,12 @@ class TwoHop:
         await forward(body, UsageRewriter(hit, self.connector.decode_reports), progress)
 
     async def _concurrent(
-        self, prefill_fn: _PrefillFn, session: aiohttp.ClientSession, rc: RequestContext,
-        ctx: HopContext, forward: Forward, progress: Attempt,
+        self, prefill_fn: _PrefillFn, rc: RequestContext, ctx: HopContext, forward: Forward,
+        progress: Attempt,
     ) -> None:
         req = rc.request
         hit = PrefillHit()
-        prefill = asyncio.ensure_future(prefill_fn(session, req, ctx, hit))
+        prefill = asyncio.ensure_future(prefill_fn(req, ctx, hit))
 
         async def settle() -> None:
             if not prefill.done():
@@ -282,22 +276,18 @@ class TwoHop:
             await _cancel(decode)
 
 
-_PrefillFn = Callable[
-    [aiohttp.ClientSession, InferenceRequest, HopContext, PrefillHit],
-    Awaitable[dict[str, Any]],
-]
+_PrefillFn = Callable[[InferenceRequest, HopContext, PrefillHit], Awaitable[dict[str, Any]]]
 
 
 def _bound(
-    prefill: Callable[[RequestContext, aiohttp.ClientSession, InferenceRequest, HopContext,
-                       PrefillHit], Awaitable[dict[str, Any]]],
+    prefill: Callable[[RequestContext, InferenceRequest, HopContext, PrefillHit],
+                      Awaitable[dict[str, Any]]],
     rc: RequestContext,
 ) -> _PrefillFn:
     """``prefill`` with the request context bound (the hop's path is the API's)."""
 
-    async def run(session: aiohttp.ClientSession, req: InferenceRequest, ctx: HopContext,
-                  hit: PrefillHit) -> dict[str, Any]:
-        return await prefill(rc, session, req, ctx, hit)
+    async def run(req: InferenceRequest, ctx: HopContext, hit: PrefillHit) -> dict[str, Any]:
+        return await prefill(rc, req, ctx, hit)
 
     return run
 
@@ -305,11 +295,10 @@ def _bound(
 def _reporting(prefill: _PrefillFn, done: PrefillDone) -> _PrefillFn:
     """``prefill`` that calls ``done(ok)`` once it ends, however it ends."""
 
-    async def run(session: aiohttp.ClientSession, req: InferenceRequest, ctx: HopContext,
-                  hit: PrefillHit) -> dict[str, Any]:
+    async def run(req: InferenceRequest, ctx: HopContext, hit: PrefillHit) -> dict[str, Any]:
         ok = False
         try:
-            answer = await prefill(session, req, ctx, hit)
+            answer = await prefill(req, ctx, hit)
             ok = True
             return answer
         finally:
@@ -329,7 +318,7 @@ def _failure(task: asyncio.Future[Any]) -> str | None:
     exc = task.exception()
     if exc is None:
         return None
-    if isinstance(exc, UpstreamError | UpstreamHTTPError | TransferUnavailable):
+    if isinstance(exc, PREFILL_FAILED):
         return _why(exc)
     raise exc
 

@@ -24,6 +24,7 @@ from kvgate.middleware.framework.composition.pipeline import Pipeline
 from kvgate.middleware.framework.errors import (
     HTTPError,
     NoEndpointAvailable,
+    Unreachable,
     UpstreamError,
     UpstreamHTTPError,
     model_not_found,
@@ -44,10 +45,7 @@ from kvgate.middleware.serving.disagg import TwoHop, UsageRewriter
 from kvgate.middleware.serving.sse import Adjust, EventRelay
 from kvgate.middleware.serving.states import StateMap
 from kvgate.middleware.serving.upstream import (
-    Client,
-    Response,
     first_chunk,
-    open_request,
     parse_answer,
     read_answer,
     relay_stream,
@@ -59,7 +57,7 @@ from kvgate.middleware.transport.asgi import (
     ReceiveWatch,
     send_bytes,
 )
-from kvgate.middleware.transport.h1client import H1Client, supports
+from kvgate.middleware.transport.engine_call import EngineCall, EngineResponse, Timeouts
 
 log = logging.getLogger("kvgate.dispatch")
 T = TypeVar("T")
@@ -82,16 +80,18 @@ class Dispatcher:
         self.states = states
         self.tracing = tracing if tracing is not None else Tracing.off()
         pipeline.scheduler.keep_scores = self.tracing.enabled
+        #: The app's HTTP session: a connector's own I/O (``Connector.prepare``).
         self.session: aiohttp.ClientSession | None = None
-        #: The lean HTTP/1.1 client for ``http://`` engines (None: the session for all).
-        self.client: H1Client | None = None
         server = config.server
-        self.timeout = aiohttp.ClientTimeout(
-            total=server.request_timeout_s, connect=server.connect_timeout_s)
+        #: Every engine request goes through it (middleware/transport/engine_call.py); its
+        #: transports
+        #: are bound at startup (middleware/app.py).
+        self.engine = EngineCall(pool, self.tracing, Timeouts(
+            total=server.request_timeout_s, connect=server.connect_timeout_s))
         dc = config.disaggregation
         self.two_hop: TwoHop | None = None
         if pipeline.connector is not None and dc is not None:
-            self.two_hop = TwoHop(pipeline.connector, pool, self.timeout, dc.settle_timeout_s,
+            self.two_hop = TwoHop(pipeline.connector, pool, self.engine, dc.settle_timeout_s,
                                   server.seed, self._count_pd, self.tracing)
 
     # -- bookkeeping ------------------------------------------------------------------------
@@ -358,15 +358,14 @@ class Dispatcher:
                    rewriter: UsageRewriter | None) -> None:
         """One engine hop (:meth:`_send`) whose verdict feeds the engine's circuit breaker
         (middleware/fleet/breaker.py): served, or failed by the engine's fault (judged after the
-        retry: ``pool.suspect``); a client that left or an engine 4xx (408 and 429 included)
-        gives none."""
+        retry: ``pool.suspect``); an engine that cannot be reached was taken out of rotation by
+        the engine call; a client that left or an engine 4xx (408 and 429 included) gives
+        none."""
         target = attempt.target.id
         try:
             await self._send(ctx, attempt, body, rewriter)
         except UpstreamError as err:
-            if err.unreachable:
-                self.pool.report_failure(target, err.message)
-            elif err.engine_fault:
+            if err.engine_fault and not isinstance(err, Unreachable):
                 self.pool.suspect(ctx, target, err.message)
             raise
         self.pool.report_outcome(target, attempt.broken)
@@ -375,16 +374,9 @@ class Dispatcher:
                     rewriter: UsageRewriter | None) -> None:
         """Send ``body`` (default: the adapter-shaped client body) to the attempt's target and
         relay the answer; ``rewriter`` edits the usage the client and the usage hooks see."""
-        assert self.session is not None
-        req, target, adapter = ctx.request, attempt.target, ctx.adapter
-        headers = {"content-type": "application/json", "x-request-id": req.request_id,
-                   **self.pool.headers(target.id)}
-        self.tracing.inject(headers, ctx.headers)
-        url = target.url + adapter.upstream_path(ctx.path)
-        client: Client = self.session
-        if self.client is not None and supports(url):
-            client = self.client
-        resp = await open_request(client, url, self._body(ctx, body), headers, self.timeout)
+        req, adapter = ctx.request, ctx.adapter
+        resp = await self.engine.open(attempt.target, adapter.upstream_path(ctx.path),
+                                      self._body(ctx, body), req.request_id, ctx.headers)
         self.pool.settle(ctx)  # this engine answers: an earlier one's failure was its own
         attempt.tap = adapter.new_tap(req.client_wants_usage)
         if not req.stream:
@@ -404,7 +396,7 @@ class Dispatcher:
                            lambda: self.report_usage(ctx, attempt),
                            self.config.server.stream_idle_timeout_s)
 
-    async def _answer(self, ctx: RequestContext, attempt: Attempt, resp: Response,
+    async def _answer(self, ctx: RequestContext, attempt: Attempt, resp: EngineResponse,
                       rewriter: UsageRewriter | None) -> None:
         """A whole JSON answer: usage read, hooks run, then the bytes (the engine's own unless
         the P/D rewrite changed them) sent."""
@@ -455,8 +447,9 @@ async def race(work: Coroutine[Any, Any, T], receive: Receive,
     """Run ``work`` unless the client disconnects first (then cancel it: ClientGone).
 
     ``work`` runs in the calling task; the disconnect cancels that task where it awaits. With
-    the server's ``source`` (middleware/transport/h1server.py) the disconnect is a callback; without
-    one (another ASGI server, an in-process caller) a :class:`ReceiveWatch` task waits on
+    the server's ``source`` (middleware/transport/h1server.py) the disconnect is a callback;
+    without one
+    (another ASGI server, an in-process caller) a :class:`ReceiveWatch` task waits on
     ``receive``. Per
     request this saves a second task and an ``asyncio.wait`` (its futures, callbacks and sets:
     ~5 % of kvgate's CPU at 1 KiB in a py-spy profile), and with a source the watcher too."""

@@ -48,7 +48,6 @@ from kvgate.middleware.serving.requests import (
     load_body,
 )
 from kvgate.middleware.serving.states import StateMap
-from kvgate.middleware.serving.upstream import Response, open_request
 from kvgate.middleware.transport.asgi import (
     ClientGone,
     disconnect_source,
@@ -56,6 +55,8 @@ from kvgate.middleware.transport.asgi import (
     read_body,
     send_bytes,
 )
+from kvgate.middleware.transport.engine_call import EngineResponse
+from kvgate.middleware.transport.error_response import send_error
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -188,15 +189,15 @@ class Gateway:
                 log.exception("request %s: request-end hook failed", req.request_id)
 
     async def send_error(self, ctx: RequestContext, err: HTTPError) -> None:
-        """The one place an API request's error becomes a response, in the adapter's shape;
-        an engine's 4xx too (:class:`UpstreamHTTPError`: its status and cleaned message, never
-        its bytes: docs/security.md, "Client faults and the breaker")."""
+        """An API request's error as a response in its adapter's shape
+        (middleware/transport/error_response.py); an engine's 4xx too (:class:`UpstreamHTTPError`:
+        its
+        status and cleaned message, never its bytes: docs/security.md, "Client faults and the
+        breaker")."""
         if ctx.started:
             log.error("error after the response started (%s): %s", ctx.request_id, err.message)
             return
-        headers = [(b"content-type", b"application/json"), *ctx.response_headers,
-                   *((k.encode(), v.encode()) for k, v in err.headers.items())]
-        await send_bytes(ctx.send, err.status, ctx.adapter.error_body(err), headers)
+        await send_error(ctx.send, err, ctx.adapter, ctx.response_headers)
 
     def _model_label(self, ctx: RequestContext) -> str:
         """The request's model as a bounded metric label: a model an engine serves or a catalog
@@ -279,20 +280,16 @@ class Gateway:
 
     async def _forward_by_id(self, ctx: RequestContext, method: str, body: bytes,
                              ep: Endpoint) -> int:
-        assert self.session is not None
+        """Method, path, query and body to the engine through the engine call
+        (middleware/transport/engine_call.py), its answer relayed as is. Not a dispatch: there is no
+        parsed request for the completion hooks (they take an ``InferenceRequest``), and no
+        hook took anything for it (no ``before_dispatch``, no lease) that they would release."""
         query = ctx.query.decode("latin-1")
-        url = ep.url + ctx.adapter.upstream_path(ctx.path) + (f"?{query}" if query else "")
-        headers = {"x-request-id": ctx.request_id, **self.pool.headers(ep.id)}
-        self.tracing.inject(headers, ctx.headers)
-        if body:
-            headers["content-type"] = ctx.headers.get("content-type", "application/json")
-        try:
-            resp = await open_request(self.session, url, body or None, headers,
-                                      self.dispatcher.timeout, method)
-        except UpstreamError as err:
-            if err.unreachable:
-                self.pool.report_failure(ep.id, err.message)
-            raise
+        path = ctx.adapter.upstream_path(ctx.path) + (f"?{query}" if query else "")
+        content_type = ctx.headers.get("content-type", "application/json") if body else None
+        resp = await self.dispatcher.engine.open(ep, path, body or None, ctx.request_id,
+                                                 ctx.headers, method=method,
+                                                 content_type=content_type)
         return await _relay_raw(ctx, resp, ep.id)
 
 
@@ -308,16 +305,16 @@ def _healthy(eps: Sequence[Endpoint], engine: str) -> Endpoint | None:
     return next((ep for ep in eps if ep.id == engine and ep.healthy), None)
 
 
-async def _relay_raw(ctx: RequestContext, resp: Response, engine: str) -> int:
+async def _relay_raw(ctx: RequestContext, resp: EngineResponse, engine: str) -> int:
     """The engine's answer as is (status, content type, bytes as they arrive)."""
     ct = resp.headers.get("content-type", "application/json").encode()
     headers = [(b"content-type", ct), *ctx.response_headers,
                (b"x-kvgate-engine", engine.encode())]
     await ctx.send({"type": "http.response.start", "status": resp.status, "headers": headers})
     try:
-        while chunk := await resp.content.readany():
+        while chunk := await resp.receive():
             await ctx.send({"type": "http.response.body", "body": chunk, "more_body": True})
-    except (aiohttp.ClientError, TimeoutError) as exc:
+    except (UpstreamError, TimeoutError) as exc:
         log.warning("request %s: engine broke off: %s", ctx.request_id, exc)
     finally:
         resp.close()

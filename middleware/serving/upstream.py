@@ -1,79 +1,36 @@
-"""Talking to one engine: open a request, classify failures, relay JSON or SSE.
+"""Reading an engine's answer: whole (JSON) or relayed event by event (SSE).
 
-Failures before the first byte raise :class:`UpstreamError` (``retryable`` says whether another
-engine may be tried); engine 4xx answers raise :class:`UpstreamHTTPError` (the client's fault:
-its status and the engine's cleaned message, rendered in the API's shape), except 408 and 429:
-the engine's load (it timed the request out in its queue, or is at its limit), retried on
-another engine and, like a client's fault, never counted against the engine's breaker.
+The request itself is opened by the engine call (middleware/transport/engine_call.py), which raises
+the
+failures before an answer and turns error statuses into their classes; what can go wrong
+while the answer is read is a :class:`~kvgate.middleware.framework.errors.StreamBroken` (before the
+first byte
+relayed: retried elsewhere) or a broken stream (after it: the API's error event ends it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import orjson
 
-from kvgate.middleware.framework.errors import UpstreamError, UpstreamHTTPError
+from kvgate.middleware.framework.errors import BadAnswer, StreamBroken, UpstreamError
 from kvgate.middleware.framework.redact import scrub
 from kvgate.middleware.framework.types import Send
 from kvgate.middleware.serving.context import Attempt
 from kvgate.middleware.serving.sse import EventRelay, EventTooLarge
-from kvgate.middleware.transport.h1client import H1Client, H1Response
-
-#: Engine 4xx answers that mean load, not a bad request, and the status the client gets when no
-#: other engine takes the request: 408 (the engine timed it out waiting) as a gateway timeout,
-#: 429 (at its limit) as 502, as before.
-ENGINE_LOAD = {408: 504, 429: 502}
-#: The engine hop's HTTP client (the lean one for ``http://`` engines) and its response.
-Client = aiohttp.ClientSession | H1Client
-Response = aiohttp.ClientResponse | H1Response
+from kvgate.middleware.transport.engine_call import EngineResponse
 
 
-async def open_request(
-    session: Client,
-    url: str,
-    body: bytes | None,
-    headers: Mapping[str, str],
-    timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - aiohttp's own per-request timeout
-    method: str = "POST",
-) -> Response:
-    """Send to the engine (POST by default); returns a 2xx response whose body is unread."""
-    try:
-        resp = await session.request(method, url, data=body, headers=headers, timeout=timeout)
-    except TimeoutError:
-        raise UpstreamError(f"engine did not answer within {timeout.total} s", status=504) from None
-    except aiohttp.ClientError as exc:
-        # the client sees it: no engine address (middleware/framework/redact.py)
-        raise UpstreamError(
-            f"cannot reach engine: {type(exc).__name__}: {scrub(str(exc))}",
-            unreachable=isinstance(exc, aiohttp.ClientConnectionError),
-        ) from None
-    if resp.status < 400:
-        return resp
-    try:
-        payload = await resp.read()
-    except aiohttp.ClientError:
-        payload = b""
-    finally:
-        resp.release()
-    if resp.status >= 500:
-        raise UpstreamError(f"engine answered {resp.status}", retryable=True)
-    if resp.status in ENGINE_LOAD:  # busy, not broken: another engine may take it
-        raise UpstreamError(f"engine answered {resp.status}", status=ENGINE_LOAD[resp.status],
-                            retryable=True, engine_fault=False)
-    raise UpstreamHTTPError(resp.status, payload)
-
-
-async def read_answer(resp: Response, attempt: Attempt | None) -> bytes:
+async def read_answer(resp: EngineResponse, attempt: Attempt | None) -> bytes:
     """Read a non-streaming answer whole (the attempt records its status and first byte)."""
     try:
         body = await resp.read()
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise UpstreamError(f"engine broke off its answer: {type(exc).__name__}") from None
+    except (UpstreamError, TimeoutError) as exc:
+        raise StreamBroken(f"engine broke off its answer: {type(exc).__name__}") from None
     finally:
         resp.release()
     if attempt is not None:
@@ -87,26 +44,26 @@ def parse_answer(body: bytes) -> dict[str, Any] | None:
     try:
         payload: Any = orjson.loads(body)
     except orjson.JSONDecodeError:
-        raise UpstreamError("engine answered with invalid JSON", retryable=False) from None
+        raise BadAnswer("engine answered with invalid JSON") from None
     return payload if isinstance(payload, dict) else None
 
 
-async def first_chunk(resp: Response) -> bytes:
+async def first_chunk(resp: EngineResponse) -> bytes:
     """The stream's first bytes; failing here still allows a retry elsewhere."""
     try:
-        chunk = await resp.content.readany()
-    except (aiohttp.ClientError, TimeoutError) as exc:
+        chunk = await resp.receive()
+    except (UpstreamError, TimeoutError) as exc:
         resp.release()
-        raise UpstreamError(
+        raise StreamBroken(
             f"engine stream failed before its first byte: {scrub(str(exc))}") from None
     if not chunk:
         resp.release()
-        raise UpstreamError("engine closed the stream before its first byte")
+        raise StreamBroken("engine closed the stream before its first byte")
     return chunk
 
 
 async def relay_stream(
-    resp: Response,
+    resp: EngineResponse,
     first: bytes,
     send: Send,
     relay: EventRelay,
@@ -139,11 +96,11 @@ async def relay_stream(
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
             async with asyncio.timeout(idle_s) as idle:
-                chunk = await resp.content.readany()
+                chunk = await resp.receive()
     except TimeoutError:  # this silence, or the request's whole deadline
         attempt.broken = f"engine stream stalled: no bytes for {idle_s} s" \
             if idle.expired() else "engine stream broke: TimeoutError"
-    except (aiohttp.ClientError, asyncio.IncompleteReadError, EventTooLarge) as exc:
+    except (UpstreamError, asyncio.IncompleteReadError, EventTooLarge) as exc:
         attempt.broken = f"engine stream broke: {type(exc).__name__}"
     finally:
         resp.close()

@@ -31,7 +31,8 @@ from kvgate.middleware.framework.errors import Forbidden, HTTPError, MethodNotAl
 from kvgate.middleware.framework.plugin import Authenticator, authenticate
 from kvgate.middleware.framework.types import Receive, Scope, Send
 from kvgate.middleware.process import WORKERS_ENV
-from kvgate.middleware.transport.asgi import send_bytes, send_error, send_json
+from kvgate.middleware.transport.asgi import send_bytes, send_json
+from kvgate.middleware.transport.error_response import send_error
 
 log = logging.getLogger("kvgate.admin_port")
 
@@ -106,7 +107,7 @@ class AdminApp:
                 status, body = self.views.health_report()
                 await send_json(send, status, body)
         except HTTPError as err:
-            await send_error(send, err, [])
+            await send_error(send, err)
 
 
 def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:

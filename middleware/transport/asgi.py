@@ -12,8 +12,13 @@ import json
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from kvgate.middleware.framework.errors import BadRequest, HTTPError, PayloadTooLarge
-from kvgate.middleware.framework.types import Headers, Receive, Scope, Send
+from kvgate.middleware.framework.errors import BadRequest, ClientGone, PayloadTooLarge
+from kvgate.middleware.framework.types import Headers, Message, Receive, Scope, Send
+
+__all__ = ["DISCONNECT_EXTENSION", "JSON_CT", "SSE_HEADERS", "ClientGone", "DisconnectSource",
+           "Headers", "Message", "Receive", "ReceiveWatch", "Scope", "Send", "disconnect_source",
+           "disconnect_watcher", "header_map", "read_body", "send_bytes", "send_json",
+           "wait_disconnect"]
 
 JSON_CT = (b"content-type", b"application/json")
 SSE_HEADERS: Headers = [
@@ -52,10 +57,6 @@ async def read_body(receive: Receive, headers: dict[str, str], limit: int) -> by
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-class ClientGone(Exception):
-    """The client disconnected before we answered."""
-
-
 async def send_bytes(
     send: Send, status: int, body: bytes, headers: Iterable[tuple[bytes, bytes]]
 ) -> None:
@@ -70,14 +71,6 @@ async def send_json(
     await send_bytes(send, status, json.dumps(payload).encode(), [JSON_CT, *headers])
 
 
-async def send_error(send: Send, err: HTTPError, extra: Headers) -> None:
-    """An error before any API adapter is known (404 route, 405, /v1/models ...): OpenAI's
-    shape. Inference requests' errors are rendered by their adapter
-    (middleware/serving/gateway.py)."""
-    headers = [*extra, *((k.encode(), v.encode()) for k, v in err.headers.items())]
-    await send_json(send, err.status, err.body(), headers)
-
-
 async def wait_disconnect(receive: Receive) -> None:
     """Returns when the client disconnects (the request body must already be consumed)."""
     while True:
@@ -90,8 +83,9 @@ def disconnect_watcher(receive: Receive) -> asyncio.Task[None]:
     return asyncio.ensure_future(wait_disconnect(receive))
 
 
-#: The scope extension under which kvgate's own HTTP server (middleware/transport/h1server.py) gives
-#: a request's :class:`DisconnectSource`: the dispatcher then learns of a client that left from
+#: The scope extension under which kvgate's own HTTP server (middleware/transport/h1server.py)
+#: gives a
+#: request's :class:`DisconnectSource`: the dispatcher then learns of a client that left from
 #: a callback instead of a watcher task per request (``race`` in middleware/serving/dispatch.py).
 DISCONNECT_EXTENSION = "kvgate.disconnect"
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -32,6 +32,7 @@ from kvgate.middleware.framework.errors import (
     PayloadTooLarge,
     internal_error,
 )
+from kvgate.middleware.transport.error_response import render
 
 __all__ = ["PRINCIPAL", "ErrorDetail", "ErrorResponse", "Guard", "error_response",
            "install_openai_errors", "openapi_errors", "status_error"]
@@ -58,8 +59,12 @@ def openapi_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": ErrorResponse} for s in statuses}
 
 
-def error_response(err: HTTPError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers or None)
+def error_response(err: HTTPError) -> Response:
+    """``err`` in OpenAI's shape (middleware/transport/error_response.py, the one place errors are
+    rendered)."""
+    status, headers, body = render(err)
+    return Response(body, status_code=status, headers={
+        k.decode("latin-1"): v.decode("latin-1") for k, v in headers})
 
 
 def status_error(status: int, detail: str) -> HTTPError:
@@ -77,17 +82,17 @@ def install_openai_errors(app: FastAPI, what: str, log: logging.Logger) -> None:
     """Every error ``app`` can raise answered in OpenAI's shape; ``what`` names the app in the
     log line of an unexpected error."""
 
-    async def kvgate_error(_: Request, exc: Exception) -> JSONResponse:
+    async def kvgate_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPError)
         return error_response(exc)
 
-    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+    async def http_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         if isinstance(exc.__cause__, HTTPError):  # raised while the body was read
             return error_response(exc.__cause__)
         return error_response(status_error(exc.status_code, str(exc.detail)))
 
-    async def validation_error(_: Request, exc: Exception) -> JSONResponse:
+    async def validation_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
@@ -95,7 +100,7 @@ def install_openai_errors(app: FastAPI, what: str, log: logging.Logger) -> None:
         param = ".".join(loc) or None
         return error_response(BadRequest(f"{param}: {msg}" if param else msg, param=param))
 
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def unexpected(_: Request, exc: Exception) -> Response:
         rid = uuid.uuid4().hex
         log.error("unexpected error in the %s (request %s)", what, rid, exc_info=exc)
         return error_response(internal_error(rid))

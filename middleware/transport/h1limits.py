@@ -1,5 +1,6 @@
 """What a client can make kvgate's HTTP/1.1 front end (middleware/transport/h1server.py) hold,
-bounded: the limits of ``ServerConfig`` (docs/security.md, "HTTP front-end limits"), the answers a
+bounded:
+the limits of ``ServerConfig`` (docs/security.md, "HTTP front-end limits"), the answers a
 connection is refused with, the counts of refusals for ``/metrics``, and
 :class:`GuardedConnection`, the half of ``H1Protocol`` that enforces them.
 
@@ -26,8 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import http
-import json
 import logging
 from collections.abc import Iterator
 
@@ -35,7 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvgate.middleware.framework.composition.config import ServerConfig
-from kvgate.middleware.framework.errors import HTTPError
+from kvgate.middleware.transport.error_response import OPENAI, PLAIN, wire_response, with_status
 
 log = logging.getLogger("kvgate.h1server")
 
@@ -99,20 +98,14 @@ class H1Limits:
 
 
 def _answer(reason: str, message: str) -> bytes:
-    """The whole response of a refusal: OpenAI's error shape (middleware/framework/errors.py); the
-    400 for an unparsable request stays uvicorn's plain text, as kvgate always answered it."""
+    """The whole response of a refusal, rendered where every error is
+    (middleware/transport/error_response.py): OpenAI's error shape; the 400 for an unparsable
+    request
+    plain text, as uvicorn answers it and kvgate always did."""
     status, kind, code = REFUSALS[reason]
-    if reason == "invalid":
-        text = message.encode()
-        return (b"HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain; charset=utf-8\r\n"
-                b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(text) + text)
-    err = HTTPError(message, code=code)
-    err.type = kind
-    body = json.dumps(err.body(), separators=(",", ":")).encode()
-    phrase = http.HTTPStatus(status).phrase.encode()
-    retry = b"retry-after: %d\r\n" % RETRY_AFTER_S if status == 503 else b""
-    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\n%s"
-            b"content-length: %d\r\n\r\n" % (status, phrase, retry, len(body)) + body)
+    retry = {"retry-after": str(RETRY_AFTER_S)} if status == 503 else None
+    err = with_status(status, message, kind=kind, code=code, headers=retry)
+    return wire_response(err, PLAIN if reason == "invalid" else OPENAI)
 
 
 @functools.cache

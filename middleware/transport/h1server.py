@@ -1,6 +1,5 @@
 """kvgate's HTTP/1.1 front end: an asyncio protocol on httptools' request parser that uvicorn's
-server runs in place of its own (``uvicorn.run(...,
-http="kvgate.middleware.transport.h1server:H1Protocol")``).
+server runs in place of its own (``uvicorn.run(..., http="<this module>:H1Protocol")``).
 
 uvicorn keeps what it does once per process: binding or inheriting the socket, the worker
 supervisor (middleware/workers.py), signals, the ASGI lifespan and the graceful shutdown (it
@@ -21,8 +20,7 @@ than uvicorn's httptools protocol (``bench/overhead.py`` measures both: ``kvgate
   of two for a JSON answer).
 * A client that leaves is told to the app by callback: the scope extension
   ``kvgate.disconnect`` is a :class:`DisconnectNotice`, a ``DisconnectSource``
-  (middleware/transport/asgi.py), so the dispatcher needs no watcher task per request on
-  ``receive``.
+  (transport/asgi.py), so the dispatcher needs no watcher task per request on ``receive``.
 
 Behaviour kept from uvicorn's protocol: keep-alive (``timeout_keep_alive`` after a response;
 HTTP/1.0 and ``Connection: close`` close), pipelined requests answered in order (reading
@@ -33,9 +31,9 @@ write backpressure (``send`` waits while the transport's buffer is above its hig
 mark), ``http.disconnect`` once the client leaves or the response is complete, 400 on a
 request httptools cannot parse, 500 when the app fails before answering (the connection is
 closed when it fails after), ``limit_concurrency`` (503) and the graceful shutdown. Added:
-limits on what a client can make a connection hold (414, 431, 408, 503:
-middleware/transport/h1limits.py). WebSocket upgrades are not served (the gateway has no WebSocket
-route): such a request is answered as plain HTTP, as uvicorn does without a WebSocket library.
+limits on what a client can make a connection hold (414, 431, 408, 503: h1limits.py).
+WebSocket upgrades are not served (the gateway has no WebSocket route): such a request is
+answered as plain HTTP, as uvicorn does without a WebSocket library.
 """
 
 from __future__ import annotations
@@ -46,23 +44,24 @@ import logging
 import re
 import urllib.parse
 from collections import deque
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from typing import Any, cast
 
 import httptools
-from uvicorn.config import Config
-from uvicorn.protocols.http.flow_control import service_unavailable
-from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
-from uvicorn.server import ServerState
 
 from kvgate.middleware.transport.asgi import DISCONNECT_EXTENSION
+from kvgate.middleware.transport.error_response import PLAIN, send_error, with_status
+from kvgate.middleware.transport.h1contract import (
+    App,
+    Message,
+    ServerConfig,
+    ServerState,
+    addresses,
+    service_unavailable,
+)
 from kvgate.middleware.transport.h1limits import HEAD, GuardedConnection, Refusal
 
 log = logging.getLogger("kvgate.h1server")
-
-Message = MutableMapping[str, Any]
-App = Callable[[MutableMapping[str, Any], Callable[[], Awaitable[Message]],
-                Callable[[Message], Awaitable[None]]], Awaitable[None]]
 
 #: Request body bytes buffered per connection before reading from the socket pauses until
 #: the app takes them. 1 MiB holds an agent-sized body (200 KiB-1 MiB) whole, so it reaches
@@ -99,8 +98,7 @@ _STATUS = {code: _status_line(code) for code in range(100, 600)}
 
 
 class DisconnectNotice:
-    """A request's ``DisconnectSource`` (middleware/transport/asgi.py): callbacks for its client
-    leaving."""
+    """A request's ``DisconnectSource`` (transport/asgi.py): callbacks for its client leaving."""
 
     __slots__ = ("disconnected", "watchers")
 
@@ -291,16 +289,15 @@ class _Exchange:
             self.conn.transport.close()
 
     async def _send_500(self) -> None:
-        await self.send({"type": "http.response.start", "status": 500, "headers": [
-            (b"content-type", b"text/plain; charset=utf-8"), (b"content-length", b"21"),
-            (b"connection", b"close")]})
-        await self.send({"type": "http.response.body", "body": b"Internal Server Error"})
+        await send_error(self.send, with_status(500, "Internal Server Error"), PLAIN,
+                         [(b"connection", b"close")])
 
 
 class H1Protocol(GuardedConnection):
     """One client connection (the class uvicorn's server instantiates per connection)."""
 
-    def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
+    def __init__(self, config: ServerConfig, server_state: ServerState,
+                 app_state: dict[str, Any],
                  _loop: asyncio.AbstractEventLoop | None = None) -> None:
         if not config.loaded:
             config.load()
@@ -325,10 +322,9 @@ class H1Protocol(GuardedConnection):
 
     # -- transport events ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.state.connections.add(self)  # type: ignore[arg-type]  # a protocol like uvicorn's
+        self.state.connections.add(self)
         self.transport = cast(asyncio.Transport, transport)  # uvloop's: no asyncio subclass
-        self.addr = (get_local_addr(self.transport), get_remote_addr(self.transport),
-                     "https" if is_ssl(self.transport) else "http")
+        self.addr = addresses(self.transport)
         self._admit()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -456,7 +452,7 @@ class H1Protocol(GuardedConnection):
         if limit is not None and (len(self.state.connections) >= limit
                                   or len(self.state.tasks) >= limit):
             log.warning("exceeded concurrency limit")
-            app = cast(App, service_unavailable)
+            app = service_unavailable
         task = self.loop.create_task(ex.run(app))
         task.add_done_callback(self._task_done)
         self.state.tasks.add(task)

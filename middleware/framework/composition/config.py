@@ -65,6 +65,11 @@ class ServerConfig(BaseModel):
     retries: int = Field(1, ge=0, le=3)
     #: Connection pool size per engine (keep-alive connections kept by the HTTP client).
     connections_per_engine: int = Field(256, ge=1)
+    #: The engine call's transport for ``http://`` engines (middleware/transport/engine_call.py):
+    #: ``lean``, kvgate's own HTTP/1.1 client (middleware/transport/h1client.py), or ``aiohttp``
+    #: (what
+    #: every other engine, ``https://`` ones, gets in any case).
+    engine_client: Literal["lean", "aiohttp"] = "lean"
     #: Seed of the scheduler's random tie-breaks (reproducible routing for a given seed).
     seed: int = 0
     #: Plugin hooks are timed (``kvgate_plugin_hook_duration_seconds``) on one API request in

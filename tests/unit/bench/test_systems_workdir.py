@@ -58,4 +58,4 @@ def test_launch_working_directory(tmp_path: Path, upstream: str, own_workdir: bo
 
 def test_every_kvgate_system_gets_its_own_workdir() -> None:
     kvgates = [s for name, s in systems.catalogue().items() if name.startswith("kvgate")]
-    assert len(kvgates) == 5 and all(s.own_workdir for s in kvgates)
+    assert len(kvgates) == 7 and all(s.own_workdir for s in kvgates)  # + aiohttp, granian

@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from kvgate.middleware.framework.errors import UpstreamError
 from kvgate.middleware.transport.h1client import (
     READ_HIGH_WATER,
     H1Client,
@@ -141,7 +142,7 @@ async def test_stream_read_piecewise_with_flow_control() -> None:
 
 
 @pytest.mark.parametrize(("handler", "error"), [
-    (_broken, aiohttp.ClientError),
+    (_broken, UpstreamError),  # kvgate's own errors (middleware/framework/errors.py), as every transport's
     (_silent, TimeoutError),
 ])
 async def test_failures(handler: Handler, error: type[BaseException]) -> None:
