@@ -142,6 +142,8 @@ class FlowControl(Plugin):
                     eps: Sequence[Endpoint]) -> None:
         if state.get(self._ticket) is not None:  # a fallback step of the same request
             return
+        if not any(ep.healthy for ep in eps):  # nothing to wait for: the dispatcher's 503
+            return
         now = time.monotonic()
         self._last_eps = eps
         band = self._band(req)

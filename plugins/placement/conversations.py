@@ -51,6 +51,10 @@ class Turn:
     length: int
     tail: int
     key: int  # the hash it is remembered under
+    #: The whole prompt's length [tokens] and the hash of its last ``slack`` tokens: a prompt
+    #: not longer by ``slack`` is a later turn only if it is this one again (a retry).
+    full: int = 0
+    full_tail: int = 0
 
 
 def tail_hash(tokens: Sequence[int], start: int, end: int) -> int:
@@ -82,11 +86,22 @@ class Conversations:
                 continue
             full = (i + 1) * block
             if (turn.length // block == i + 1 and turn.length <= len(tokens)
-                    and tail_hash(tokens, full, turn.length) == turn.tail):
+                    and tail_hash(tokens, full, turn.length) == turn.tail
+                    and self._grown_or_same(tokens, turn)):
                 turns.move_to_end(chain[i])
                 self.found += 1
                 return turn
         return None
+
+    def _grown_or_same(self, tokens: Sequence[int], turn: Turn) -> bool:
+        """A next turn adds a reply and a message (more than ``slack`` tokens past the whole
+        earlier prompt); anything shorter is that prompt again or another session's prompt that
+        differs only in what ``slack`` leaves out (a burst of short questions after one system
+        prompt): only the former continues it."""
+        if len(tokens) >= turn.full + self.slack:
+            return True
+        return len(tokens) == turn.full and tail_hash(tokens, turn.length, turn.full) == \
+            turn.full_tail
 
     def add(self, tokens: Sequence[int], block: int, chain: Sequence[int], engine: EndpointId,
             inserted: float, total: float, half_life: float, previous: Turn | None) -> None:
@@ -107,7 +122,8 @@ class Conversations:
                 value += previous.inserted * math.exp2(-(total - previous.total) / half_life)
         key = chain[n - 1]
         self._turns[key] = Turn(engine, value, total, length,
-                                tail_hash(tokens, n * block, length), key)
+                                tail_hash(tokens, n * block, length), key, len(tokens),
+                                tail_hash(tokens, length, len(tokens)))
         self._turns.move_to_end(key)
         while len(self._turns) > self.max_entries:
             self._turns.popitem(last=False)

@@ -232,3 +232,13 @@ async def test_replicas_share_the_tenants_served_tokens(redis_db: Any) -> None:
             assert health["shared_load"] == "ok"
             metrics = (await c1.get("/metrics")).text
             assert "kvgate_flow_shared_down 0.0" in metrics
+
+
+async def test_no_healthy_engine_is_a_503_at_once_not_a_wait() -> None:
+    """With every engine out of rotation there is no headroom to wait for: the request is not
+    queued (a client would wait out the band's TTL) but answered by the dispatcher's 503."""
+    async with _held(bands={"standard": {"ttl_s": 30}}) as (app, client, _):
+        app.pool.report_failure(app.pool.snapshot()[0].id, "test: engine gone")
+        resp = await asyncio.wait_for(client.post(CHAT, json=_body("x")), timeout=5)
+        assert resp.status_code == 503
+        assert _flow(app).queued() == 0

@@ -55,6 +55,9 @@ LOOKUPS = [
     ("a shorter prompt never matches a longer one", [A[1]], A[0], None),
     ("the template's last tokens may retokenize: the last 8 are not compared",
      [A[0]], [*A[0][:-3], 5, 5, 5, *A[1][len(A[0]):]], 0),
+    ("a burst after one system prompt: another short question of the same length is not it",
+     [A[0]], [*A[0][:-3], 5, 5, 5], None),
+    ("... nor one a few tokens longer", [A[0]], [*A[0][:-3], 5, 5, 5, 6, 6], None),
 ]
 
 
@@ -90,7 +93,8 @@ def test_own_insertions_carry_over_on_the_same_engine_only() -> None:
     assert second is not None
     assert conv.own_pressure(second, 2000.0, 1000.0, 10_000) == pytest.approx(0.1)
     conv.add(A[2], B, _chain(A[2]), "e1", 300.0, 2000.0, 1000.0, second)  # moved: afresh
-    third = conv.previous(A[2] + [1], B, _chain(A[2] + [1]))
+    nxt = A[2] + list(range(1, 21))  # a reply and a message
+    third = conv.previous(nxt, B, _chain(nxt))
     assert third is not None and (third.engine, third.inserted) == ("e1", 300.0)
     conv.forget_engine("e1")
     assert len(conv) == 0  # A[0] and A[1] were continued: each is remembered until then
