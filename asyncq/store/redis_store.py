@@ -39,6 +39,7 @@ from redis.exceptions import RedisError, ResponseError
 from kvgate.asyncq.api import TERMINAL, Job, JobResult, JobSpec, JobState, QueueUnavailable
 from kvgate.asyncq.store.sqlite_store import cancelled_result, expired_result
 from kvgate.middleware.framework.errors import RateLimited
+from kvgate.plugins.common.redis_retry import stale_connection_retry
 
 P = "kvgate:aq"
 GROUP = "runners"
@@ -208,8 +209,11 @@ class RedisJobStore:
         self.retention_s = int(retention_s)
         self.max_jobs = max_jobs
         #: Typed Any: redis-py's stubs type replies as bytes | str for either decode mode.
+        #: A pooled connection Redis closed (a restart) is retried once on a fresh one, as the
+        #: gateway's other Redis clients do: one outage is one outage, not one per stale socket.
         self._r: Any = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=stale_connection_retry())
         self._error: str | None = None
         self._group_ready = False
         self._enqueue = self._r.register_script(_ENQUEUE)

@@ -180,6 +180,11 @@ async def test_redis_outage_pauses_pulling_and_loses_nothing(
         assert "kvgate_async_store_up 0.0" in (await client.get("/metrics")).text
         await asyncio.sleep(1.0)  # pulling stays paused (and logs no more)
         await asyncio.to_thread(redis_db.start)
+
+        async def up() -> bool:  # until then a new request is refused (503, Retry-After)
+            health = (await client.get("/health")).json()["plugins"]["async-queue"]
+            return health["ok"] is True
+        await until(up, 10)
         late = (await client.post("/v1/chat/completions", json=CHAT, headers=Q)).json()["id"]
 
         async def finished() -> bool:

@@ -89,7 +89,7 @@ def test_default_preset_variants_validate_or_say_why() -> None:
     validates; routing off keeps only the profile's filters and picker."""
     data = plugin_cost.preset_data(["http://127.0.0.1:1"])
     keep = plugin_cost.profile_keep(data)
-    assert keep == {"health-filter", "model-filter", "max-score-picker"}
+    assert keep == {"health-filter", "model-filter", "flow-control", "max-score-picker"}
     refused = {name: plugin_cost.refusal(v)
                for name, v in plugin_cost.variants(data, keep).items()}
     assert refused["default"] is None and refused["routing off"] is None
