@@ -127,12 +127,22 @@ def _base_env() -> list[str]:
     return ["env", f"PYTHONPATH={Path(tree).resolve()}"]
 
 
+def _from_base(argv: list[str]) -> list[str]:
+    """A ``kvgate ...`` command run from the base tree. With its own ``.venv`` (``python3 -m venv
+    .venv && .venv/bin/pip install -e .`` there), that install's ``kvgate``: needed for a tree
+    from before the one import root, whose modules the installed entry points of this checkout
+    do not name. Otherwise this checkout's command with the base tree first on ``PYTHONPATH``."""
+    env = _base_env()
+    own = Path(env[1].split("=", 1)[1]) / ".venv" / "bin" / "kvgate"
+    return [str(own), *argv[1:]] if own.is_file() else [*env, *argv]
+
+
 def _kvgate_base(upstream: str, port: int, aux: int, root: Path) -> list[str]:
-    return [*_base_env(), *_kvgate(upstream, port, aux, root)]
+    return _from_base(_kvgate(upstream, port, aux, root))
 
 
 def _kvgate_base_precise(upstream: str, port: int, aux: int, root: Path) -> list[str]:
-    return [*_base_env(), *_kvgate_precise(upstream, port, aux, root)]
+    return _from_base(_kvgate_precise(upstream, port, aux, root))
 
 
 def _vllm_router_with(policy: str) -> Argv:
