@@ -7,9 +7,9 @@ All I/O happens in the async hooks. See docs/architecture.md.
 from __future__ import annotations
 
 import random
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
@@ -210,16 +210,18 @@ class RequestEndHook(Protocol):
 
 @runtime_checkable
 class AdmissionGate(Protocol):
-    """Decides *when* a request may be scheduled (flow control): awaited by the dispatcher after
-    the request hooks, before the data producers and the scheduler run, raced against the
-    client's disconnect (a client that leaves cancels the wait). Returns once the request may
-    go on (late binding: the engine is picked after the wait); raises HTTPError to refuse it
-    (429 / 503 with ``Retry-After``). ``eps``: the engines the request may use. ``queued``:
-    live requests waiting in the gate now (the async queue's headroom gate stays closed while
-    any wait: deferred work sits below every live request)."""
+    """Decides *when* a request may be scheduled (flow control): asked by the dispatcher after
+    the request hooks, before the data producers and the scheduler run. Returns None when the
+    request may go on now (the common case, no await), else the wait (a coroutine) that the
+    dispatcher races against the client's disconnect (a client that leaves cancels it) and
+    that returns once the request may go on (late binding: the engine is picked after the
+    wait); raises HTTPError, at once or from the wait, to refuse it (429 / 503 with
+    ``Retry-After``). ``eps``: the engines the request may use. ``queued``: live requests
+    waiting in the gate now (the async queue's headroom gate stays closed while any wait:
+    deferred work sits below every live request)."""
 
-    async def admit(self, req: InferenceRequest, state: CycleState,
-                    eps: Sequence[Endpoint]) -> None: ...
+    def admit(self, req: InferenceRequest, state: CycleState,
+              eps: Sequence[Endpoint]) -> Coroutine[Any, Any, None] | None: ...
 
     def queued(self) -> int: ...
 

@@ -204,7 +204,9 @@ class Dispatcher:
         req = ctx.request
         self._check_model(req, eps)
         for gate in self.pipeline.gates:  # flow control: wait for headroom (late binding)
-            await race(gate.admit(req, ctx.state, eps), ctx.receive, ctx.disconnect)
+            wait = gate.admit(req, ctx.state, eps)
+            if wait is not None:
+                await race(wait, ctx.receive, ctx.disconnect)
         timer = self.metrics.hooks
         for producer in self.pipeline.producers:
             t = time.perf_counter() if timer.on else 0.0

@@ -39,6 +39,9 @@ class TenantLabels:
 
 
 class FlowMetrics(Collector):
+    """Counters and the wait histogram (children bound once per band and path: every request
+    increments them), and the fleet's view read at scrape time."""
+
     def __init__(self, view: Callable[[], FleetView | None],
                  queued: Callable[[str], int], bands: tuple[str, ...],
                  evictions: Callable[[], dict[str, int]],
@@ -54,6 +57,8 @@ class FlowMetrics(Collector):
         self.wait = Histogram("kvgate_flow_wait_seconds", "Time a request waited in the "
                               "gateway's flow-control queue before dispatch (admitted ones)",
                               ["band"], buckets=WAIT_BUCKETS, registry=None)
+        self._admitted: dict[tuple[str, str], Counter] = {}
+        self._waits: dict[str, Histogram] = {}
         self.shed = Counter("kvgate_flow_shed", "Requests refused by flow control, by band, "
                             "tenant (bounded) and reason (queue_full 429, ttl_over_share 429, "
                             "ttl 503)", ["band", "tenant", "reason"], registry=None)
@@ -65,6 +70,18 @@ class FlowMetrics(Collector):
         self.limit_changes = Counter("kvgate_flow_limit_changes", "Learned engine limit "
                                      "changes (cut: the engine queued; probe: +1)",
                                      ["direction"], registry=None)
+
+    def admitted_child(self, band: str, path: str) -> Counter:
+        child = self._admitted.get((band, path))
+        if child is None:
+            child = self._admitted[band, path] = self.admitted.labels(band, path)
+        return child
+
+    def wait_child(self, band: str) -> Histogram:
+        child = self._waits.get(band)
+        if child is None:
+            child = self._waits[band] = self.wait.labels(band)
+        return child
 
     def collect(self) -> Iterator[Metric]:
         for m in (self.admitted, self.wait, self.shed, self.gone, self.capped,
@@ -118,6 +135,9 @@ class FlowMetrics(Collector):
         yield GaugeMetricFamily("kvgate_flow_stale_engines", "Engines whose scraped metrics are "
                                 "older than metrics_stale_s (saturation from gateway counters "
                                 "only)", value=len(view.stale))
+        yield GaugeMetricFamily("kvgate_flow_blind_engines", "Engines that report no "
+                                "running/waiting metrics (limit max_in_flight_per_engine, not "
+                                "learned)", value=len(view.blind))
 
 
 __all__ = ["WAIT_BUCKETS", "FlowMetrics", "TenantLabels"]

@@ -6,8 +6,8 @@ MetricsSource, HealthSource.) Reference it in each profile (after the health and
 filters) so that the scheduler picks among the engines with a free slot; the quick-start
 presets do.
 
-Per request, before any engine is chosen (the dispatcher awaits :meth:`FlowControl.admit`
-before the data producers and the scheduler: late binding, the engine is picked when the
+Per request, before any engine is chosen (the dispatcher asks :meth:`FlowControl.admit`, and
+awaits the wait it returns when the request must queue, before the data producers and the scheduler: late binding, the engine is picked when the
 request leaves the queue, e.g. the one that holds its prefix by then):
 
 1. its **band**: ``x-kvgate-priority`` (interactive, standard, batch), else its key's
@@ -40,10 +40,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.util import find_spec
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from prometheus_client.registry import Collector
 
@@ -118,7 +118,6 @@ class FlowControl(Plugin):
         self._errors: dict[int, HTTPError] = {}
         self._endpoints: Callable[[], Sequence[Endpoint]] | None = None
         self._last_eps: Sequence[Endpoint] = ()
-        self._last_view: FleetView | None = None
         #: Requests admitted here and not dispatched yet (their engine slot is not taken yet).
         self.pending = 0
         self._task: asyncio.Task[None] | None = None
@@ -129,7 +128,7 @@ class FlowControl(Plugin):
         #: Schedulings where every candidate engine was saturated (the filter kept them all).
         self.unfiltered = 0
         self.metrics = FlowMetrics(
-            lambda: self._last_view, self.queue.queued, BANDS,
+            self.current_view, self.queue.queued, BANDS,
             lambda: {"tenant": self.fair.evicted_tenants, "session": self.fair.evicted_sessions,
                      "filter_kept_all": self.unfiltered},
             lambda: self.shared)
@@ -138,12 +137,15 @@ class FlowControl(Plugin):
     def queued(self) -> int:
         return self.queue.queued()
 
-    async def admit(self, req: InferenceRequest, state: CycleState,
-                    eps: Sequence[Endpoint]) -> None:
+    def admit(self, req: InferenceRequest, state: CycleState,
+              eps: Sequence[Endpoint]) -> Coroutine[Any, Any, None] | None:
         if state.get(self._ticket) is not None:  # a fallback step of the same request
-            return
-        if not any(ep.healthy for ep in eps):  # nothing to wait for: the dispatcher's 503
-            return
+            return None
+        for ep in eps:
+            if ep.healthy:
+                break
+        else:  # nothing to wait for: the dispatcher's 503
+            return None
         now = time.monotonic()
         self._last_eps = eps
         band = self._band(req)
@@ -153,26 +155,27 @@ class FlowControl(Plugin):
         add_log_field(state, "flow_band", band)
         if band != BACKGROUND:
             add_response_header(state, self.p.header, band)
-        view = self._view(now)
-        if self.queue.is_empty() and self._fits(view, ticket.tenant, now):
+        if self.queue.is_empty() and self._fits(eps, ticket.tenant, now):
             self.queue.admit_now(ticket.tenant, ticket.tokens, now)
             self.pending += 1
             self._admitted(ticket, state, now, "direct")
-            return
+            return None
         waiter = self.queue.enqueue(band, ticket.tenant, ticket.session, ticket.tokens, now)
         if waiter is None:
             self._shed(ticket, state, "queue_full")
             raise RateLimited(f"the {band} queue is full ({self.p.bands[band].max_queued} "
                               "requests wait for a saturated fleet); retry later",
                               code="queue_full", headers=self._retry_after())
-        await self._wait(waiter, ticket, state)
+        return self._wait(waiter, ticket, state)
 
-    def _fits(self, view: FleetView, tenant: str, now: float) -> bool:
-        free = view.free() - self.pending
+    def _fits(self, eps: Sequence[Endpoint], tenant: str, now: float) -> bool:
+        free, capacity = self.saturation.headroom(eps, now)
+        self._count_limit_changes()
+        free -= self.pending
         if free <= 0:
             return False
-        reserve = view.capacity * self.p.reserve_fraction
-        return free > reserve or not self.queue.over_share(tenant, view.capacity, now)
+        return (free > capacity * self.p.reserve_fraction
+                or not self.queue.over_share(tenant, capacity, now))
 
     async def _wait(self, waiter: Waiter, ticket: Ticket, state: CycleState) -> None:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -199,8 +202,8 @@ class FlowControl(Plugin):
             return
         ticket.admitted = True
         waited = now - ticket.arrived
-        self.metrics.admitted.labels(ticket.band, path).inc()
-        self.metrics.wait.labels(ticket.band).observe(waited)
+        self.metrics.admitted_child(ticket.band, path).inc()
+        self.metrics.wait_child(ticket.band).observe(waited)
         add_log_field(state, "flow_wait_ms", round(waited * 1000, 3))
 
     def _shed(self, ticket: Ticket, state: CycleState, reason: str) -> None:
@@ -242,13 +245,16 @@ class FlowControl(Plugin):
     # -- the pump --------------------------------------------------------------------------
     def _view(self, now: float) -> FleetView:
         eps = self._endpoints() if self._endpoints is not None else self._last_eps
-        view = self._last_view = self.saturation.view(eps, now)
+        view = self.saturation.view(eps, now)
+        self._count_limit_changes()
+        return view
+
+    def _count_limit_changes(self) -> None:
         s = self.saturation
         if s.cuts != self._cuts or s.probes != self._probes:
             self.metrics.limit_changes.labels("cut").inc(s.cuts - self._cuts)
             self.metrics.limit_changes.labels("probe").inc(s.probes - self._probes)
             self._cuts, self._probes = s.cuts, s.probes
-        return view
 
     def _pump(self) -> None:
         """Refuse the expired, then admit waiters while the fleet has free slots."""
@@ -280,7 +286,14 @@ class FlowControl(Plugin):
             future.set_result(None)
 
     def _capacity(self) -> int:
-        return self._last_view.capacity if self._last_view is not None else 0
+        view = self.current_view()
+        return view.capacity if view is not None else 0
+
+    def current_view(self) -> FleetView | None:
+        """The fleet's view now (/health, /metrics; None before any request or engine)."""
+        if self._endpoints is None and not self._last_eps:
+            return None
+        return self._view(time.monotonic())
 
     async def _tick(self) -> None:
         while True:
@@ -381,7 +394,7 @@ class FlowControl(Plugin):
         return self.metrics
 
     def health(self) -> Mapping[str, object]:
-        view = self._last_view
+        view = self.current_view()
         out: dict[str, object] = {
             "queued": {band: self.queue.queued(band) for band in BANDS},
             "pending": self.pending, "tenants": self.fair.tenants(),
@@ -396,6 +409,8 @@ class FlowControl(Plugin):
             out["engine_limits"] = {e.id: e.limit for e in view.engines}
             if view.stale:
                 out["stale_metrics"] = list(view.stale)
+            if view.blind:
+                out["no_queue_metrics"] = list(view.blind)
         return out
 
 

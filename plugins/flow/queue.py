@@ -57,6 +57,8 @@ class FlowQueue:
         self.fair = fairness
         self._bands = {band: _Band() for band in BANDS}
         self._seq = 0
+        #: Waiters queued in all bands (is_empty on every request: O(1)).
+        self._total = 0
         #: Requests admitted and not ended, by tenant; last activity by tenant.
         self.in_flight: dict[str, int] = {}
         self._last_active: dict[str, float] = {}
@@ -71,7 +73,7 @@ class FlowQueue:
         return sum(b.live.get(tenant, 0) for b in self._bands.values())
 
     def is_empty(self) -> bool:
-        return all(b.count == 0 for b in self._bands.values())
+        return self._total == 0
 
     # -- requests ------------------------------------------------------------------------
     def enqueue(self, band: str, tenant: str, session: str | None, tokens: int,
@@ -90,6 +92,7 @@ class FlowQueue:
         b.live[tenant] = b.live.get(tenant, 0) + 1
         b.arrivals.append(w)
         b.count += 1
+        self._total += 1
         self._last_active[tenant] = now
         return w
 
@@ -100,6 +103,7 @@ class FlowQueue:
         w.state = state
         b = self._bands[w.band]
         b.count -= 1
+        self._total -= 1
         left = b.live[w.tenant] - 1
         heap = b.by_tenant[w.tenant]
         if left == 0:
@@ -113,7 +117,9 @@ class FlowQueue:
 
     def admit_now(self, tenant: str, tokens: int, now: float) -> None:
         """Account a request admitted without queueing (the fast path)."""
-        if not self.tenant_queued(tenant):
+        if self._total == 0:
+            self.fair.lift(tenant, None)
+        elif not self.tenant_queued(tenant):
             self.fair.lift(tenant, self._backlogged_min())
         self._admitted(tenant, tokens, now)
 

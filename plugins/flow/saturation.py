@@ -51,6 +51,9 @@ class _Learned:
     seen_scrape: float | None = None
     last_probe: float = 0.0
     stale: bool = False
+    #: The engine answers its metrics scrape without ``running`` / ``waiting`` counts (a
+    #: third-party server, an engine of unknown kind): nothing to learn a limit from.
+    blind: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +78,8 @@ class FleetView:
     #: Sum of the serving pool's healthy engines' limits: the fleet's capacity in requests.
     capacity: int
     stale: tuple[str, ...] = field(default=())
+    #: Engines that report no queue metrics (limited by ``max_in_flight_per_engine`` only).
+    blind: tuple[str, ...] = field(default=())
 
     def free(self) -> int:
         """Slots a request may take now (both pools when there is a prefill pool)."""
@@ -104,17 +109,39 @@ class Saturation:
 
     def view(self, eps: Sequence[Endpoint], now: float) -> FleetView:
         """Learn from fresh scrapes, then each engine's verdict and the pools' free slots."""
-        if len(self._learned) > len(eps):  # engines gone: forget them
-            ids = {ep.id for ep in eps}
-            for gone in [k for k in self._learned if k not in ids]:
-                del self._learned[gone]
+        self._forget(eps)
         views = tuple(self._engine(ep, now) for ep in eps)
         serving = [v for v in views if v.role != Role.PREFILL.value]
         prefill = [v for v in views if v.role == Role.PREFILL.value]
         capacity = sum(v.limit for v in serving if v.saturated != "unhealthy")
         stale = tuple(k for k, v in self._learned.items() if v.stale)
+        blind = tuple(k for k, v in self._learned.items() if v.blind)
         return FleetView(views, sum(v.free for v in serving),
-                         sum(v.free for v in prefill) if prefill else None, capacity, stale)
+                         sum(v.free for v in prefill) if prefill else None, capacity, stale,
+                         blind)
+
+    def headroom(self, eps: Sequence[Endpoint], now: float) -> tuple[int, int]:
+        """``(view.free(), view.capacity)`` of :meth:`view`, learning alike, without building
+        the view (every admission asks this; /health and /metrics read the view)."""
+        self._forget(eps)
+        serving = capacity = 0
+        prefill: int | None = None
+        for ep in eps:
+            limit, why = self._verdict(ep, now)
+            free = 0 if why is not None else limit - ep.in_flight_requests
+            if ep.role is Role.PREFILL:
+                prefill = free + (prefill or 0)
+            else:
+                serving += free
+                if why != "unhealthy":
+                    capacity += limit
+        return (serving if prefill is None else min(serving, prefill)), capacity
+
+    def _forget(self, eps: Sequence[Endpoint]) -> None:
+        if len(self._learned) > len(eps):  # engines gone: forget them
+            ids = {ep.id for ep in eps}
+            for gone in [k for k in self._learned if k not in ids]:
+                del self._learned[gone]
 
     def unsaturated(self, eps: Sequence[Endpoint], now: float) -> list[Endpoint]:
         """The engines of ``eps`` that take a request now (no learning, nothing forgotten:
@@ -136,15 +163,21 @@ class Saturation:
         return _Learned(p.max_in_flight_per_engine, slow_start=False)
 
     def _engine(self, ep: Endpoint, now: float) -> EngineView:
+        limit, why = self._verdict(ep, now)
+        free = 0 if why is not None else limit - ep.in_flight_requests
+        return EngineView(ep.id, ep.role.value, limit, ep.in_flight_requests, free, why)
+
+    def _verdict(self, ep: Endpoint, now: float) -> tuple[int, str | None]:
+        """The engine's limit, learned from a fresh scrape first, and why it is saturated."""
         learned = self._learned.get(ep.id)
         if learned is None:
             learned = self._learned[ep.id] = self._new()
         fresh = self._fresh(ep, learned, now)
-        if fresh and self.p.learn:
-            self._learn(ep, learned, now)
-        why = self._saturated(ep, learned.limit, fresh)
-        free = 0 if why is not None else learned.limit - ep.in_flight_requests
-        return EngineView(ep.id, ep.role.value, learned.limit, ep.in_flight_requests, free, why)
+        if fresh and ep.metrics.scraped_at != learned.seen_scrape:
+            self._blind(ep, learned)
+            if self.p.learn:
+                self._learn(ep, learned, now)
+        return learned.limit, self._saturated(ep, learned.limit, fresh)
 
     def _fresh(self, ep: Endpoint, learned: _Learned, now: float) -> bool:
         scraped = ep.metrics.scraped_at
@@ -157,6 +190,24 @@ class Saturation:
                         self.p.metrics_stale_s)
         learned.stale = stale
         return fresh
+
+    def _blind(self, ep: Endpoint, learned: _Learned) -> None:
+        """An engine whose scrape carries no running / waiting counts gives no evidence of a
+        queue: it gets ``max_in_flight_per_engine`` (what an engine of unknown batch size may
+        take), not the slow start's guess, which it could never leave."""
+        m = ep.metrics
+        blind = m.running is None and m.waiting is None
+        if blind and not learned.blind:
+            log.warning("flow control: engine %s reports no running/waiting metrics: its "
+                        "limit is max_in_flight_per_engine=%d, not learned", ep.id,
+                        self.p.max_in_flight_per_engine)
+            learned.limit = self.p.max_in_flight_per_engine
+            learned.slow_start = False
+        elif not blind and learned.blind:
+            log.info("flow control: engine %s reports its queue again: limit learned", ep.id)
+            learned.limit = self._new().limit
+            learned.slow_start = self.p.learn
+        learned.blind = blind
 
     def _learn(self, ep: Endpoint, learned: _Learned, now: float) -> None:
         m = ep.metrics

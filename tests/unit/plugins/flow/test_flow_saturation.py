@@ -115,3 +115,18 @@ def test_the_filter_keeps_each_role_available() -> None:
     kept = flow.filter(None, None, eps)  # type: ignore[arg-type]
     assert [ep.id for ep in kept] == ["p0", "d0", "b1"]
     assert flow.unfiltered == 1
+
+
+def test_an_engine_without_queue_metrics_is_not_held_at_the_slow_start(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A scrape without running/waiting (a server of unknown kind) teaches nothing: the engine
+    gets max_in_flight_per_engine at once, with a WARNING, /health and /metrics naming it, not
+    the slow start's 32 it could never leave; when it reports its queue, learning resumes."""
+    sat = Saturation(FlowParams())
+    view = sat.view([_ep(in_flight=40, scraped_at=1.0)], 1.0)
+    assert view.engines[0].limit == 256 and view.engines[0].saturated is None
+    assert view.blind == ("e0",) and "reports no running/waiting metrics" in caplog.text
+    view = sat.view([_ep(in_flight=40, running=16, waiting=24, scraped_at=2.0)], 2.0)
+    assert view.blind == () and view.engines[0].limit == 16
+    before_scrape = Saturation(FlowParams()).view([_ep(in_flight=40)], 0.0)
+    assert before_scrape.engines[0].limit == 32 and before_scrape.blind == ()
