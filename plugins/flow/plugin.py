@@ -7,16 +7,17 @@ filters) so that the scheduler picks among the engines with a free slot; the qui
 presets do.
 
 Per request, before any engine is chosen (the dispatcher asks :meth:`FlowControl.admit`, and
-awaits the wait it returns when the request must queue, before the data producers and the scheduler: late binding, the engine is picked when the
-request leaves the queue, e.g. the one that holds its prefix by then):
+awaits the wait it returns when the request must queue, before the data producers and the
+scheduler: late binding, the engine is picked when the request leaves the queue, e.g. the one
+that holds its prefix by then):
 
 1. its **band**: ``x-kvgate-priority`` (interactive, standard, batch), else its key's
    ``priority``, else ``default_band``; capped by its key's ``max_priority`` (else
    ``max_band``); deferred work run through the loopback (queued requests, background
    responses, batch lines) is ``background``, below every live band;
 2. the fleet's free slots (plugins/flow/saturation.py) minus the requests admitted here and not
-   dispatched yet; with a free slot and nobody queued (and, within the reserve, the tenant
-   under its fair share) it goes on at once;
+   dispatched yet; with a free slot and nobody queued (a slot past its engine's reserve, or
+   the tenant under its fair share) it goes on at once;
 3. otherwise it waits in the queue (plugins/flow/queue.py) until :meth:`_pump` admits it (on
    every request end, and every ``poll_s``), or its band's TTL passes (429 ``flow_ttl`` when
    its tenant holds more than its fair share, else 503 ``overloaded``), or the band is full
@@ -120,6 +121,8 @@ class FlowControl(Plugin):
         self._last_eps: Sequence[Endpoint] = ()
         #: Requests admitted here and not dispatched yet (their engine slot is not taken yet).
         self.pending = 0
+        #: The fleet's capacity at the last admission or pump (the filter's fair shares).
+        self._seen_capacity = 0
         self._task: asyncio.Task[None] | None = None
         self._labels = TenantLabels(params.max_tenant_labels)
         self._cuts = self._probes = 0
@@ -169,13 +172,14 @@ class FlowControl(Plugin):
         return self._wait(waiter, ticket, state)
 
     def _fits(self, eps: Sequence[Endpoint], tenant: str, now: float) -> bool:
-        free, capacity = self.saturation.headroom(eps, now)
+        """A free slot for ``tenant`` now: any free slot for a tenant under its fair share,
+        one past an engine's reserve otherwise."""
+        free, opened, capacity = self.saturation.headroom(eps, now)
         self._count_limit_changes()
-        free -= self.pending
-        if free <= 0:
+        self._seen_capacity = capacity
+        if free - self.pending <= 0:
             return False
-        return (free > capacity * self.p.reserve_fraction
-                or not self.queue.over_share(tenant, capacity, now))
+        return opened - self.pending > 0 or not self.queue.over_share(tenant, capacity, now)
 
     async def _wait(self, waiter: Waiter, ticket: Ticket, state: CycleState) -> None:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -263,8 +267,11 @@ class FlowControl(Plugin):
             self._refuse(w, now)
         if self.queue.is_empty():
             return
-        view = self._view(now)
-        for w in self.queue.pump(view.free() - self.pending, view.capacity, now):
+        eps = self._endpoints() if self._endpoints is not None else self._last_eps
+        free, opened, capacity = self.saturation.headroom(eps, now)
+        self._count_limit_changes()
+        self._seen_capacity = capacity
+        for w in self.queue.pump(free - self.pending, opened - self.pending, capacity, now):
             future = self._futures.pop(w.seq, None)
             if future is not None and not future.done():
                 future.set_result(None)
@@ -311,7 +318,12 @@ class FlowControl(Plugin):
         (then the engines queue, as without flow control)."""
         if not eps:
             return eps
-        free = set(map(id, self.saturation.unsaturated(eps, time.monotonic())))
+        now = time.monotonic()
+        tenant = req.tenant or ANONYMOUS
+        over = self.queue.over_share(tenant, self._seen_capacity, now, excluding=1)
+        free = set(map(id, self.saturation.unsaturated(eps, now)))
+        if over:  # a tenant over its share leaves each engine's reserve to the others
+            free = set(map(id, self.saturation.unsaturated(eps, now, past_reserve=True))) or free
         if len(free) == len(eps):
             return eps
         kept: list[Endpoint] = []

@@ -6,10 +6,10 @@ then background); within a band the tenant with the smallest virtual token count
 (plugins/flow/fairness.py); within the tenant the request with the smallest
 ``session's served tokens - wait x aging_tokens_per_s`` (least attained service, aged).
 
-Reserve: while the free slots are within the fleet's reserve (``reserve_fraction`` of its
-capacity), only tenants under their fair share (capacity x weight / active tenants' weights)
-get a slot. A tenant is *active* while it has requests queued or in flight, or had one within
-``active_window_s``.
+Reserve: each engine keeps ``reserve_fraction`` of its limit (rounded down) for tenants under
+their fair share (capacity x weight / active tenants' weights): while no free slot is left past
+the engines' reserves (``opened``), only such tenants get one. A tenant is *active* while it
+has requests queued or in flight, or had one within ``active_window_s``.
 
 Bounded: at most ``max_queued`` waiters per band (then :meth:`enqueue` refuses); heaps hold
 removed waiters lazily and are compacted past twice their live size; the per-tenant activity
@@ -19,7 +19,6 @@ maps are dropped for tenants idle past the active window.
 from __future__ import annotations
 
 import heapq
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -150,27 +149,29 @@ class FlowQueue:
         return out
 
     # -- choice --------------------------------------------------------------------------
-    def pump(self, free: int, capacity: int, now: float) -> list[Waiter]:
-        """Admit waiters while ``free`` slots last (``capacity``: the fleet's, for the reserve
-        and the fair shares); returns them in admission order (state ``admitted``)."""
+    def pump(self, free: int, opened: int, capacity: int, now: float) -> list[Waiter]:
+        """Admit waiters while ``free`` slots last; past ``opened`` (the free slots beyond the
+        engines' reserves) only tenants under their fair share of ``capacity``; returns them in
+        admission order (state ``admitted``)."""
         out: list[Waiter] = []
         if free <= 0 or self.is_empty():
             return out
-        reserve = math.ceil(capacity * self.p.reserve_fraction)
         shares = self._shares(capacity, now)
         while free > 0:
-            w = self._next(free <= reserve, shares)
+            w = self._next(opened <= 0, shares)
             if w is None:
                 break
             self._take(w, now)
             out.append(w)
             free -= 1
+            opened -= 1
         return out
 
-    def over_share(self, tenant: str, capacity: int, now: float) -> bool:
-        """Whether ``tenant`` holds its fair share of ``capacity`` (or more) in flight."""
+    def over_share(self, tenant: str, capacity: int, now: float, excluding: int = 0) -> bool:
+        """Whether ``tenant`` holds its fair share of ``capacity`` (or more) in flight, not
+        counting ``excluding`` of its requests (the one being placed)."""
         share = self._shares(capacity, now).get(tenant, float(capacity))
-        return self.in_flight.get(tenant, 0) >= share
+        return self.in_flight.get(tenant, 0) - excluding >= share
 
     def _shares(self, capacity: int, now: float) -> dict[str, float]:
         window = self.p.active_window_s

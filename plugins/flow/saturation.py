@@ -120,22 +120,35 @@ class Saturation:
                          sum(v.free for v in prefill) if prefill else None, capacity, stale,
                          blind)
 
-    def headroom(self, eps: Sequence[Endpoint], now: float) -> tuple[int, int]:
-        """``(view.free(), view.capacity)`` of :meth:`view`, learning alike, without building
-        the view (every admission asks this; /health and /metrics read the view)."""
+    def headroom(self, eps: Sequence[Endpoint], now: float) -> tuple[int, int, int]:
+        """``(free, open, capacity)``: :meth:`view`'s ``free()`` and ``capacity``, learning
+        alike, without building the view (every admission asks this; /health and /metrics
+        read the view), and the free slots past each engine's reserve (``open``: what a tenant
+        over its fair share may take)."""
         self._forget(eps)
-        serving = capacity = 0
+        serving = capacity = opened = 0
         prefill: int | None = None
+        prefill_open = 0
         for ep in eps:
             limit, why = self._verdict(ep, now)
             free = 0 if why is not None else limit - ep.in_flight_requests
+            unreserved = max(0, free - self.reserve(limit))
             if ep.role is Role.PREFILL:
                 prefill = free + (prefill or 0)
+                prefill_open += unreserved
             else:
                 serving += free
+                opened += unreserved
                 if why != "unhealthy":
                     capacity += limit
-        return (serving if prefill is None else min(serving, prefill)), capacity
+        if prefill is None:
+            return serving, opened, capacity
+        return min(serving, prefill), min(opened, prefill_open), capacity
+
+    def reserve(self, limit: int) -> int:
+        """An engine's slots kept for tenants under their fair share (``reserve_fraction`` of
+        its limit, rounded down: 2 of 16, none of fewer than 8)."""
+        return int(limit * self.p.reserve_fraction)
 
     def _forget(self, eps: Sequence[Endpoint]) -> None:
         if len(self._learned) > len(eps):  # engines gone: forget them
@@ -143,17 +156,22 @@ class Saturation:
             for gone in [k for k in self._learned if k not in ids]:
                 del self._learned[gone]
 
-    def unsaturated(self, eps: Sequence[Endpoint], now: float) -> list[Endpoint]:
+    def unsaturated(self, eps: Sequence[Endpoint], now: float,
+                    past_reserve: bool = False) -> list[Endpoint]:
         """The engines of ``eps`` that take a request now (no learning, nothing forgotten:
-        ``eps`` may be a profile's subset)."""
+        ``eps`` may be a profile's subset); ``past_reserve``: only those with a free slot
+        past their reserve (for a tenant over its fair share)."""
         out = []
         for ep in eps:
             learned = self._learned.get(ep.id)
             limit = self._new().limit if learned is None else learned.limit
             scraped = ep.metrics.scraped_at
             fresh = scraped is not None and now - scraped <= self.p.metrics_stale_s
-            if self._saturated(ep, limit, fresh) is None:
-                out.append(ep)
+            if self._saturated(ep, limit, fresh) is not None:
+                continue
+            if past_reserve and limit - ep.in_flight_requests <= self.reserve(limit):
+                continue
+            out.append(ep)
         return out
 
     def _new(self) -> _Learned:

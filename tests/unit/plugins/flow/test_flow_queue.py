@@ -27,7 +27,7 @@ def test_bands_are_strict_priority() -> None:
     q.enqueue("background", "t", "g", 10, 0.0)
     q.enqueue("standard", "t", "s", 10, 0.0)
     q.enqueue("interactive", "t", "i", 10, 0.0)
-    assert _names(q.pump(4, 100, 1.0)) == [
+    assert _names(q.pump(4, 4, 100, 1.0)) == [
         "interactive:t:i", "standard:t:s", "batch:t:b", "background:t:g"]
     assert q.is_empty()
 
@@ -36,9 +36,9 @@ def test_pump_admits_only_free_slots() -> None:
     q = _queue()
     for i in range(5):
         q.enqueue("standard", "t", f"s{i}", 10, float(i))
-    assert len(q.pump(2, 100, 10.0)) == 2
+    assert len(q.pump(2, 2, 100, 10.0)) == 2
     assert q.queued() == 3
-    assert q.pump(0, 100, 10.0) == []
+    assert q.pump(0, 0, 100, 10.0) == []
     assert q.in_flight == {"t": 2}
 
 
@@ -49,7 +49,7 @@ def test_tenants_alternate_by_tokens_served_not_requests() -> None:
         q.enqueue("standard", "A", None, 100, 0.0 + i * 1e-3)
     for i in range(4):
         q.enqueue("standard", "B", None, 100, 1.0 + i * 1e-3)
-    first = [w.tenant for w in q.pump(8, 1000, 2.0)]
+    first = [w.tenant for w in q.pump(8, 8, 1000, 2.0)]
     assert first.count("B") == 4, first
     assert first[:2] in (["A", "B"], ["B", "A"])
 
@@ -60,7 +60,7 @@ def test_weighted_tenant_shares(weight_a: float, expected_a: int) -> None:
     for i in range(50):
         q.enqueue("standard", "A", None, 100, i * 1e-3)
         q.enqueue("standard", "B", None, 100, i * 1e-3)
-    got = [w.tenant for w in q.pump(20, 1000, 1.0)]
+    got = [w.tenant for w in q.pump(20, 20, 1000, 1.0)]
     assert got.count("A") == expected_a
 
 
@@ -70,7 +70,7 @@ def test_big_prompts_count_more_than_small_ones() -> None:
     for i in range(30):
         q.enqueue("standard", "big", None, 1000, i * 1e-3)
         q.enqueue("standard", "small", None, 100, i * 1e-3)
-    got = [w.tenant for w in q.pump(22, 1000, 1.0)]
+    got = [w.tenant for w in q.pump(22, 22, 1000, 1.0)]
     assert got.count("small") == 20 and got.count("big") == 2
 
 
@@ -80,7 +80,7 @@ def test_least_attained_session_first_and_fifo_option() -> None:
         q.fair.session_served("t", "old", 50_000)
         q.enqueue("standard", "t", "old", 10, 0.0)
         q.enqueue("standard", "t", "new", 10, 0.0)
-        assert [w.session for w in q.pump(2, 100, 0.0)] == expected
+        assert [w.session for w in q.pump(2, 2, 100, 0.0)] == expected
 
 
 def test_aging_bounds_the_wait_of_a_long_session() -> None:
@@ -89,9 +89,9 @@ def test_aging_bounds_the_wait_of_a_long_session() -> None:
     q.fair.session_served("t", "long", 8192)
     q.enqueue("standard", "t", "long", 10, 0.0)
     q.enqueue("standard", "t", "fresh-1", 10, 1.9)
-    assert [w.session for w in q.pump(1, 100, 2.0)] == ["fresh-1"]
+    assert [w.session for w in q.pump(1, 1, 100, 2.0)] == ["fresh-1"]
     q.enqueue("standard", "t", "fresh-2", 10, 2.1)
-    assert [w.session for w in q.pump(1, 100, 2.2)] == ["long"]
+    assert [w.session for w in q.pump(1, 1, 100, 2.2)] == ["long"]
 
 
 def test_band_bound_refuses() -> None:
@@ -112,27 +112,31 @@ def test_ttl_expiry_and_removal() -> None:
     assert q.expire(0.9) == []
     assert q.expire(1.0) == [a] and a.state == "expired"
     assert q.expire(5.0) == [b]
-    assert q.is_empty() and q.pump(10, 10, 6.0) == []
+    assert q.is_empty() and q.pump(10, 10, 10, 6.0) == []
 
 
 def test_reserve_goes_to_tenants_under_their_share() -> None:
-    """Capacity 16, reserve 2: with 2 free slots left A (over its share) waits, B goes."""
+    """Capacity 16, 2 slots left, both in their engines' reserves (none open): A (over its
+    share) waits, B goes."""
     q = _queue(reserve_fraction=0.125)
     for _ in range(14):
         q.admit_now("A", 10, 0.0)
     q.admit_now("B", 10, 0.0)  # B is active: shares 8 / 8
     q.enqueue("standard", "A", None, 10, 0.1)
-    assert q.pump(2, 16, 0.2) == []
+    assert q.pump(2, 0, 16, 0.2) == []
     w = q.enqueue("standard", "B", None, 10, 0.3)
-    assert q.pump(2, 16, 0.4) == [w]
+    assert q.pump(2, 0, 16, 0.4) == [w]
     assert q.over_share("A", 16, 0.5) and not q.over_share("B", 16, 0.5)
+    assert not q.over_share("B", 16, 0.5, excluding=1)
+    a = q.enqueue("standard", "A", None, 10, 0.6)
+    assert a is not None and q.pump(1, 1, 16, 0.7) != []  # a slot open past the reserves
 
 
 def test_a_lone_tenant_uses_the_whole_fleet() -> None:
     q = _queue(reserve_fraction=0.5)
     for i in range(16):
         q.enqueue("standard", "A", None, 10, i * 1e-3)
-    assert len(q.pump(16, 16, 1.0)) == 16
+    assert len(q.pump(16, 16, 16, 1.0)) == 16
 
 
 def test_idle_tenant_does_not_bank_credit() -> None:
@@ -140,11 +144,11 @@ def test_idle_tenant_does_not_bank_credit() -> None:
     q = _queue()
     for i in range(10):
         q.enqueue("standard", "A", None, 1000, i * 1e-3)
-    q.pump(10, 100, 1.0)
+    q.pump(10, 10, 100, 1.0)
     for i in range(10):
         q.enqueue("standard", "A", None, 1000, 2 + i * 1e-3)
         q.enqueue("standard", "B", None, 1000, 2 + i * 1e-3)
-    got = [w.tenant for w in q.pump(10, 100, 3.0)]
+    got = [w.tenant for w in q.pump(10, 10, 100, 3.0)]
     assert 4 <= got.count("A") <= 6, got
 
 
@@ -154,7 +158,7 @@ def test_release_and_bounded_state() -> None:
     for i in range(50):
         tenant = f"t{rng.randrange(10)}"
         q.enqueue("standard", tenant, f"s{i}", 10, float(i))
-        for w in q.pump(1, 100, float(i)):
+        for w in q.pump(1, 1, 100, float(i)):
             q.fair.session_served(w.tenant, w.session, 10)
             q.release(w.tenant, float(i))
     assert q.fair.tenants() <= 3 and q.fair.sessions() <= 2

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from kvgate.middleware.framework.types import KV_CAPACITY_TOKENS, Endpoint, EngineMetrics, Role
+from kvgate.middleware.framework.types import (
+    KV_CAPACITY_TOKENS,
+    CycleState,
+    Endpoint,
+    EngineMetrics,
+    InferenceRequest,
+    Role,
+)
 from kvgate.plugins.flow.params import FlowParams
 from kvgate.plugins.flow.saturation import Saturation
 
@@ -112,9 +121,42 @@ def test_the_filter_keeps_each_role_available() -> None:
     flow = FlowControl("flow-control", params, _NoLookup())
     eps = [_ep("p0", in_flight=2, role=Role.PREFILL), _ep("d0", role=Role.DECODE),
            _ep("b0", in_flight=2), _ep("b1")]
-    kept = flow.filter(None, None, eps)  # type: ignore[arg-type]
+    kept = flow.filter(_req("t"), CycleState(), eps)
     assert [ep.id for ep in kept] == ["p0", "d0", "b1"]
     assert flow.unfiltered == 1
+
+
+def _req(tenant: str) -> InferenceRequest:
+    return InferenceRequest(request_id="r", api="chat", model="m", body={}, headers={},
+                            stream=False, client_wants_usage=False, prompt_token_estimate=10,
+                            received_at=0.0, tenant=tenant)
+
+
+def test_a_tenant_over_its_share_leaves_each_engine_reserve() -> None:
+    """Two 16-slot engines, reserve 2 each: e0 has 14 in flight (2 free, both reserved), e1
+    10. A holds 24 of 32 slots (share 16): its request may only go to e1, past e1's reserve;
+    B (under its share) may use e0's reserve, e.g. where its session lives; and A's next
+    request is admitted at once while a slot is open past the reserves, queued when none is."""
+    from kvgate.plugins.flow.plugin import FlowControl
+
+    class _NoLookup:
+        def lookup(self, name: str) -> object:
+            raise KeyError(name)
+
+    flow = FlowControl("flow-control", FlowParams(max_in_flight_per_engine=16, learn=False),
+                       _NoLookup())
+    for _ in range(24):
+        flow.queue.admit_now("A", 10, 0.0)
+    flow.queue.admit_now("B", 10, 0.0)
+    eps = [_ep("e0", in_flight=14), _ep("e1", in_flight=10)]
+    assert flow.saturation.headroom(eps, 1.0) == (8, 4, 32)
+    flow._seen_capacity = 32
+    assert [ep.id for ep in flow.filter(_req("A"), CycleState(), eps)] == ["e1"]
+    assert [ep.id for ep in flow.filter(_req("B"), CycleState(), eps)] == ["e0", "e1"]
+    full = [_ep("e0", in_flight=14), _ep("e1", in_flight=14)]
+    assert not flow._fits(full, "A", time.monotonic())
+    assert flow._fits(full, "B", time.monotonic())
+    assert flow._fits(eps, "A", time.monotonic())
 
 
 def test_an_engine_without_queue_metrics_is_not_held_at_the_slow_start(
