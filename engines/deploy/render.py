@@ -137,6 +137,12 @@ class FleetSpec(BaseModel):
     #: stored response in the engine's memory, never evicted, and loses them on a restart
     #: (Codex sends ``store: false`` with the whole input and needs none of it).
     responses_store: bool = False
+    #: lmcache-mooncake only: LMCache stores its chunks in the Mooncake Store through the
+    #: lossless BF16 KV codec (``engines/kvcodec/lmcache_plugin.py``, a remote storage plugin;
+    #: ~1/3 fewer bytes on real K/V, docs/shared-tier.md). ``false``: LMCache's own Mooncake
+    #: connector with ``remote_serde: naive`` (raw bytes). With it on, the engine image needs
+    #: the ``kvgate`` package importable (``pip install --no-deps kvgate``).
+    kv_codec: bool = True
     #: ``--target k8s`` / ``helm`` only (docs/kubernetes.md): images, replicas, Secret names.
     kubernetes: KubernetesSpec = Field(default_factory=KubernetesSpec)
 
@@ -293,14 +299,31 @@ def _mooncake(
     return env, kv_config
 
 
+#: LMCache remote storage plugin of the codec (engines/kvcodec/lmcache_plugin.py; named here
+#: as text: the gateway side never imports the engine side).
+CODEC_PLUGIN = "kvcodec"
+CODEC_PLUGIN_KEYS = {
+    f"remote_storage_plugin.{CODEC_PLUGIN}.module_path": "kvgate.engines.kvcodec.lmcache_plugin",
+    f"remote_storage_plugin.{CODEC_PLUGIN}.class_name": "KvcodecMooncakeConnector",
+}
+#: The media of a shared tier's KV events, per protocol: LMCache's cache engine publishes its
+#: stored chunks with ``medium: "cpu"`` (lmcache/v1/cache_engine.py, 0.5.6), so the gateway's
+#: ``kv-events`` files them under the shared tier (plugins/prefix/shared_tier.py).
+SHARED_MEDIA: dict[str, list[str]] = {"lmcache-mooncake": ["cpu"]}
+
+
 def _lmcache_config(fleet: FleetSpec, spec: EngineSpec) -> str:
     master = fleet.mooncake_master
+    remote: dict[str, Any] = (
+        {"remote_storage_plugins": [CODEC_PLUGIN]} if fleet.kv_codec
+        else {"remote_url": f"mooncakestore://{master.host}:{master.rpc_port}/"})
     data = {
         "chunk_size": fleet.lmcache_chunk_size,
         "local_cpu": False,
-        "remote_url": f"mooncakestore://{master.host}:{master.rpc_port}/",
-        "remote_serde": "naive",
+        **remote,
+        "remote_serde": "naive",  # the codec, when on, is in the connector: no serde after it
         "extra_config": {
+            **(CODEC_PLUGIN_KEYS if fleet.kv_codec else {}),
             "local_hostname": spec.host,
             "metadata_server": "P2PHANDSHAKE",
             "protocol": fleet.transfer_protocol,
@@ -352,6 +375,10 @@ def _gateway_config(fleet: FleetSpec) -> str:
                              "bootstrap_port": str(_side_port(spec, fleet.protocol, i))}
         if fleet.protocol == "sglang":  # it ignores cache_salt: cache-salt warns about it
             eng["labels"] = {**eng.get("labels", {}), "engine": "sglang"}
+    if fleet.protocol in SHARED_MEDIA:  # tier-aware routing on wherever there is a tier
+        for plugin in data["plugins"]:
+            if plugin["type"] == "kv-events":
+                plugin.setdefault("params", {})["shared_media"] = SHARED_MEDIA[fleet.protocol]
     if not fleet.pools.engines:
         data["disaggregation"] = {"connector": CONNECTOR[fleet.protocol]}
     return yaml.safe_dump(data, sort_keys=False)
@@ -372,8 +399,17 @@ def render(fleet: FleetSpec) -> dict[str, str]:
     order.append("kvgate serve --config kvgate.yaml")
     files["README.txt"] = ("Start in this order:\n"
                            + "".join(f"  {n}. {s}\n" for n, s in enumerate(order, 1))
-                           + _agent_notes(fleet))
+                           + _agent_notes(fleet) + _codec_note(fleet))
     return files
+
+
+def _codec_note(fleet: FleetSpec) -> str:
+    if fleet.protocol != "lmcache-mooncake" or not fleet.kv_codec:
+        return ""
+    return ("\nNote: LMCache stores KV in the Mooncake Store through kvgate's lossless KV codec "
+            "(lmcache-*.yaml: remote_storage_plugins [kvcodec]): the engine image needs the "
+            "kvgate package importable (pip install --no-deps kvgate). kv_codec: false in the "
+            "fleet file renders LMCache's own Mooncake connector instead.\n")
 
 
 def load_fleet(path: str | Path) -> FleetSpec:

@@ -4,6 +4,9 @@
 ``python -m engines.kvcodec.bench`` there; its last stdout line is the JSON report
 (``bit_exact``, ``saving``, ``per_kind``, ``gpu_decode_gbps``...). ``--out`` also writes that
 report, with the command that produced it, to a file (bench/results/codec-saving.json).
+``bench --speed`` runs ``python -m kvgate.engines.kvcodec.measure.speed`` instead: encode and
+decode GB/s per block size against a device copy of the same bytes, saving, bit-exactness and
+the backend that ran (JSON on the last line, ``--out`` likewise).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 from kvgate.engines.kvcodec.venv import engine_env, engine_side_path, ensure_codec_env
 
 BENCH_OPTIONS = ("block_tokens", "chunk", "max_len", "windows", "triton_blocks", "repeats")
+SPEED_OPTIONS = ("source", "values", "block_values", "windows", "repeats")
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -30,6 +34,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     for name in BENCH_OPTIONS:
         b.add_argument("--" + name.replace("_", "-"), type=int,
                        help="see python -m kvgate.engines.kvcodec.measure.bench --help")
+    b.add_argument("--speed", action="store_true",
+                   help="encode/decode GB/s per block size against a device copy of the same "
+                        "bytes (python -m kvgate.engines.kvcodec.measure.speed) instead")
+    b.add_argument("--source", choices=("real", "synthetic"), help="--speed: K/V source")
+    b.add_argument("--values", type=int, help="--speed: values used (0: all)")
+    b.add_argument("--block-values", help="--speed: comma-separated block sizes in values")
     b.set_defaults(func=_bench)
 
 
@@ -42,12 +52,20 @@ def _setup() -> int:
     return 0
 
 
+def _passed(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    return [f"--{n.replace('_', '-')}={getattr(args, n)}" for n in names
+            if getattr(args, n) is not None]
+
+
 def _bench(args: argparse.Namespace) -> int:
     python = ensure_codec_env(_progress)
-    passed = [f"--{n.replace('_', '-')}={getattr(args, n)}" for n in BENCH_OPTIONS
-              if getattr(args, n) is not None]
-    cmd = [str(python), "-m", "kvgate.engines.kvcodec.measure.bench",
-           *(["--json"] if args.json else []), *passed]
+    if args.speed:  # its summary goes to stderr: stdout is the JSON line alone
+        passed = ["--speed", *_passed(args, SPEED_OPTIONS)]
+        cmd = [str(python), "-m", "kvgate.engines.kvcodec.measure.speed", *passed[1:]]
+    else:
+        passed = _passed(args, BENCH_OPTIONS)
+        cmd = [str(python), "-m", "kvgate.engines.kvcodec.measure.bench",
+               *(["--json"] if args.json else []), *passed]
     with engine_side_path() as path:
         done = subprocess.run(cmd, env=engine_env(path), stdout=subprocess.PIPE, text=True,
                               check=False)

@@ -20,9 +20,11 @@ be set to the engine's block.
 
 from __future__ import annotations
 
+import json
 import math
 import struct
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -32,6 +34,9 @@ from kvgate.engines.kvcodec.container import CodecFormatError
 
 MAGIC = b"KVT1"
 HEAD = struct.Struct("<4sB3xII")
+OBJECT_MAGIC = b"KVO1"
+OBJECT_HEAD = struct.Struct("<4sBxxxI")  # magic, mode (0 codec, 1 raw), header JSON length
+MODE_CODEC, MODE_RAW = 0, 1
 DEFAULT_BLOCK_VALUES = 16 * 8 * 128
 
 
@@ -106,3 +111,54 @@ class CodecStore:
     def get(self, key: str) -> Tensor | None:
         data = bytes(self.store.get(key))
         return decode_tensor(data, self.backend, self.device) if data else None
+
+
+@dataclass(frozen=True)
+class ObjectHeader:
+    """What a reader needs to rebuild a cache object: its shapes, dtype names (torch's, e.g.
+    ``"bfloat16"``), an opaque ``fmt`` integer (LMCache's ``MemoryFormat`` value) and the
+    byte count."""
+
+    shapes: list[list[int]]
+    dtypes: list[str]
+    fmt: int
+    nbytes: int
+
+
+def encode_object(data: Tensor, header: ObjectHeader, block_values: int, params: Params,
+                  be: Backend) -> bytes:
+    """A ``KVO1`` frame of a cache object's bytes (``data``: uint8, ``header.nbytes`` long).
+
+    ``"KVO1" | mode u8 | 3 reserved | header length u32 | header JSON | payload``: when every
+    dtype is bfloat16 (and the bytes are whole words) the payload is the ``KVT1`` frame of the
+    bytes viewed as BF16 values (mode 0); otherwise the bytes as they are (mode 1).
+    """
+    if data.dtype != torch.uint8 or data.numel() != header.nbytes:
+        raise ValueError("encode_object wants the object's bytes as a uint8 tensor")
+    meta = json.dumps(header.__dict__, separators=(",", ":")).encode()
+    coded = header.dtypes and all(d == "bfloat16" for d in header.dtypes) \
+        and header.nbytes % 2 == 0 and header.nbytes > 0
+    if coded:
+        payload = encode_tensor(data.contiguous().view(torch.bfloat16), block_values, params, be)
+    else:
+        payload = data.contiguous().numpy().tobytes()
+    return b"".join([OBJECT_HEAD.pack(OBJECT_MAGIC, MODE_CODEC if coded else MODE_RAW,
+                                      len(meta)), meta, payload])
+
+
+def decode_object(frame: bytes, be: Backend) -> tuple[ObjectHeader, Tensor]:
+    """The header and the object's bytes (uint8) of a ``KVO1`` frame."""
+    magic, mode, length = OBJECT_HEAD.unpack_from(frame)
+    if magic != OBJECT_MAGIC or mode not in (MODE_CODEC, MODE_RAW):
+        raise CodecFormatError(f"not a KVO1 frame (magic {magic!r}, mode {mode})")
+    at = OBJECT_HEAD.size
+    fields: dict[str, Any] = json.loads(bytes(frame[at:at + length]))
+    header = ObjectHeader(**fields)
+    payload = bytes(frame[at + length:])
+    if mode == MODE_CODEC:
+        data = decode_tensor(payload, be).view(torch.uint8)
+    else:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    if data.numel() != header.nbytes:
+        raise CodecFormatError(f"KVO1 frame holds {data.numel()} bytes, not {header.nbytes}")
+    return header, data

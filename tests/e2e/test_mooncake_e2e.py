@@ -30,6 +30,7 @@ import pytest
 import yaml
 
 from kvgate.engines.kvcodec.venv import engine_env, engine_side_path, ensure_codec_env
+from kvgate.engines.local.lmcache import ensure_lmcache_venv
 from kvgate.engines.local.mooncake import (
     MasterAddress,
     ensure_mooncake_venv,
@@ -53,6 +54,7 @@ KEY = f"{MODEL}@1@0@{random.Random(SEED).getrandbits(64):016x}@bfloat16"
 SEGMENT, BUFFER = 64 << 20, 32 << 20
 CLIENT_TIMEOUT_S = 60.0
 CODEC_CLIENT = str(Path(__file__).with_name("kvcodec_store_client.py"))
+LMCACHE_CLIENT = str(Path(__file__).with_name("lmcache_codec_client.py"))
 #: One vLLM-style KV block of the real model the codec client reads K/V from
 #: (all-MiniLM-L6-v2): 16 tokens x 12 heads x 32 head_dim.
 CODEC_BLOCK_VALUES = 16 * 384
@@ -176,7 +178,8 @@ def test_rendered_store_configs_point_every_engine_at_the_master(
     assert {p.name for p in out.glob("lmcache-*.yaml")} == {f"lmcache-{e}.yaml" for e in engines}
     for engine in engines:
         data = yaml.safe_load((out / f"lmcache-{engine}.yaml").read_text())
-        assert data["remote_url"] == f"mooncakestore://127.0.0.1:{m['rpc_port']}/"
+        assert data["remote_storage_plugins"] == ["kvcodec"]  # the codec's data path
+        assert data["extra_config"]["master_server_address"] == f"127.0.0.1:{m['rpc_port']}"
         assert data["extra_config"]["protocol"] == "tcp"
         assert data["extra_config"]["local_hostname"] == "127.0.0.1"
         assert f"LMCACHE_CONFIG_FILE=lmcache-{engine}.yaml" in (out / f"{engine}.sh").read_text()
@@ -253,3 +256,53 @@ def test_codec_store_round_trips_real_kv_through_the_store(
     assert got["absent"] is True
     assert got["got"] == {key: {"len": row["stored"], "sha256": row["sha256"],
                                 "shape": row["shape"]} for key, row in put.items()}
+
+
+@pytest.fixture(scope="module")
+def lmcache_python(codec_python: Path, mooncake_python: Path) -> Path:
+    return ensure_lmcache_venv(progress=print)
+
+
+def _lmcache_config(out: Path, engine: str, tmp: Path) -> str:
+    """The rendered lmcache-<engine>.yaml with the store's segment and buffer shrunk."""
+    data = yaml.safe_load((out / f"lmcache-{engine}.yaml").read_text())
+    data["extra_config"].update(global_segment_size=SEGMENT, local_buffer_size=BUFFER)
+    path = tmp / f"lmcache-{engine}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_lmcache_stores_real_kv_encoded_and_another_process_reads_it_bit_exact(
+        rendered: tuple[dict[str, Any], Path], master: MasterAddress, lmcache_python: Path,
+        tmp_path: Path) -> None:
+    """The codec in LMCache's data path (issue 32): prefill-0's LMCache (its own RemoteBackend,
+    the rendered config's remote storage plugin) puts one chunk of real K/V; decode-0's LMCache,
+    a separate process, gets it back: same bits, shape and format; the store holds >= 30 %
+    fewer bytes than the chunk."""
+    _, out = rendered
+
+    def cmd(mode: str, engine: str) -> list[str]:
+        return [str(lmcache_python), LMCACHE_CLIENT, mode,
+                _lmcache_config(out, engine, tmp_path)]
+
+    with engine_side_path() as path:
+        env = engine_env(path)
+        with held(cmd("hold", "prefill-0"), tmp_path / "hold.log", env) as put:
+            assert put["contains"] is True
+            assert put["raw"] == 2 * 6 * 256 * 384 * 2
+            saving = 1 - put["stored"] / put["raw"]
+            print(f"LMCache chunk: {put['raw']} B raw, {put['stored']} B stored, "
+                  f"saving {saving:.4f}")
+            assert saving >= 0.30, saving
+            assert put["key"] in _admin(master, "/get_all_keys").splitlines()
+            with (tmp_path / "read.log").open("w") as err:
+                done = subprocess.run(cmd("read", "decode-0"), input=json.dumps(put["key"]) + "\n",
+                                      stdout=subprocess.PIPE, stderr=err, text=True, env=env,
+                                      timeout=CLIENT_TIMEOUT_S * 2, check=False)
+    log = (tmp_path / "read.log").read_text()[-3000:]
+    assert done.returncode == 0, log
+    got, closed = (json.loads(line) for line in done.stdout.splitlines()[-2:])
+    assert closed == {"close": 0}
+    assert got == {"found": True, "sha256": put["sha256"], "shape": [2, 6, 256, 384],
+                   "dtype": "torch.bfloat16", "fmt": "KV_2LTD", "stored": put["stored"],
+                   "absent": True}

@@ -392,7 +392,7 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
                 self.index.store(
                     holder, event.block_hashes, event.parent_block_hash, event.token_ids,
                     event.block_size, medium=event.medium, group_idx=event.group_idx,
-                    extra_keys=extra,
+                    extra_keys=extra, source=publisher,  # token-less: KvIndex.store_known
                 )
             except HashingError as exc:
                 self.stats.malformed_events += 1

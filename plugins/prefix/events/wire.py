@@ -8,10 +8,13 @@ Events are tagged maps ``{"type": "BlockStored", ...}`` (newer engines) or posit
 lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window, locality]``
 (older engines); ``BlockRemoved`` is ``[tag, block_hashes, medium, group_idx, locality]``,
 ``AllBlocksCleared`` has no fields. Only the first four ``BlockStored`` fields and the first
-``BlockRemoved`` field are required; ``medium`` absent means GPU, ``group_idx`` absent means 0,
-``locality`` absent means unspecified (``REMOTE``: a store shared by the fleet,
-plugins/prefix/shared_tier.py); unknown keys, trailing fields and event types are ignored (forward
-compatible).
+``BlockRemoved`` field are required; ``token_ids`` may be empty (vLLM 0.32's Mooncake store
+worker, ``mooncake/store/worker.py``, publishes one ``BlockStored`` per stored block with
+``medium: "cpu"``, the engine's block hash, its predecessor's hash as parent, and ``[]`` as
+token ids when the request's tokens for that block are not at hand); ``medium`` absent means
+GPU, ``group_idx`` absent means 0, ``locality`` absent means unspecified (``REMOTE``: a store
+shared by the fleet, plugins/prefix/shared_tier.py); unknown keys, trailing fields and event
+types are ignored (forward compatible).
 
 Replay (vLLM's optional ``replay_endpoint``, a ZMQ ROUTER the engine binds): a client (DEALER)
 sends ``(b"", start_seq)`` with ``start_seq`` 8 bytes big-endian; the engine answers every
@@ -140,7 +143,9 @@ def _stored(f: Mapping[str, Any]) -> BlockStored:
     if not _is_int(size) or size <= 0:
         raise MalformedFrame("block_size must be a positive int")
     hashes = _hashes(f["block_hashes"])
-    if len(tokens) != len(hashes) * size:
+    # Empty token ids are well-formed: vLLM 0.32's Mooncake store worker sends [] when it
+    # lacks a block's tokens (the block is then known by its hash only: KvIndex.store_known).
+    if tokens and len(tokens) != len(hashes) * size:
         raise MalformedFrame(
             f"{len(tokens)} token ids for {len(hashes)} blocks of {size} tokens"
         )

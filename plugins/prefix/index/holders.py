@@ -99,6 +99,11 @@ class IndexStats:
     removed_blocks: int = 0
     orphan_blocks: int = 0  # stored blocks whose parent the index does not know
     resolved_orphans: int = 0  # events whose unknown parent a recent prompt supplied
+    #: blocks of token-less BlockStored events filed by a hash the index knew (store_known)
+    tokenless_blocks: int = 0
+    #: blocks of token-less BlockStored events whose hash the index did not know (not indexed:
+    #: without tokens kvgate cannot derive its own hash; not malformed either)
+    tokenless_unknown: int = 0
     unknown_removals: int = 0
     evicted_blocks: int = 0
     expired_blocks: int = 0

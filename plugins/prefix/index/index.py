@@ -243,13 +243,18 @@ class KvIndex(HolderTable):
         medium: str | None = None,
         group_idx: int = 0,
         extra_keys: Sequence[ExtraKeys] | None = None,
+        source: HolderId | None = None,
     ) -> int:
         """Apply a ``BlockStored``: consecutive blocks of one chain after ``parent``.
 
         Returns how many blocks were indexed: 0 when the parent is unknown and no recent prompt
         supplies it (the chain cannot be re-keyed; counted as orphans). Raises
-        :class:`HashingError` for bad token ids.
+        :class:`HashingError` for bad token ids. Without token ids (and with hashes), the
+        blocks are filed by the hashes the index knows (:meth:`store_known`, ``source``).
         """
+        if not token_ids and engine_hashes:
+            return self.store_known(holder_key, engine_hashes, source=source, medium=medium,
+                                    group_idx=group_idx)
         self._event_update()
         holder = self._holder(holder_key)
         holder.block_sizes[group_idx] = block_size  # learnt even from an orphan
@@ -278,6 +283,45 @@ class KvIndex(HolderTable):
         self.stats.stored_blocks += len(pairs)
         self._enforce(holder, holder_key)
         return len(pairs)
+
+    def store_known(
+        self,
+        holder_key: HolderId,
+        engine_hashes: Sequence[EngineHash],
+        *,
+        source: HolderId | None = None,
+        medium: str | None = None,
+        group_idx: int = 0,
+    ) -> int:
+        """Apply a ``BlockStored`` without token ids (vLLM's Mooncake store worker sends ``[]``
+        when it lacks them): the store is known to hold each block, by the engine's hash only.
+
+        A block is filed under ``holder_key`` when the index already knows its hash, in
+        ``holder_key`` itself or in ``source`` (the publishing engine's own holder: its GPU
+        events carried the tokens, and the store worker reuses the engine's block hashes);
+        otherwise it cannot be re-keyed and is counted in ``tokenless_unknown``. Returns how
+        many blocks were indexed.
+        """
+        self._event_update()
+        holder = self._holder(holder_key)
+        known = None if source is None else self._holders.get(source)
+        found: list[tuple[tuple[int, EngineHash], int]] = []
+        for ehash in engine_hashes:
+            ekey = (group_idx, ehash)
+            h = holder.by_ehash.get(ekey)
+            if h is None and known is not None:
+                h = known.by_ehash.get(ekey)
+            if h is None:
+                self.stats.tokenless_unknown += 1
+            else:
+                found.append((ekey, h))
+        tier = tier_of(medium)
+        for ekey, h in reversed(found):  # tail first: the root ends up most recent
+            self._put_event_hold(holder, ekey, h, tier)
+        self.stats.tokenless_blocks += len(found)
+        self.stats.stored_blocks += len(found)
+        self._enforce(holder, holder_key)
+        return len(found)
 
     def _put_event_hold(
         self, holder: Holder, ekey: tuple[int, EngineHash], h: int, tier: int

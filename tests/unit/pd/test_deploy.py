@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import shlex
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 import yaml
 
 from kvgate.engines.connectors import VllmMooncakeConnector
-from kvgate.engines.deploy.render import FleetSpec, render
+from kvgate.engines.deploy.render import CODEC_PLUGIN, CODEC_PLUGIN_KEYS, FleetSpec, render
 from kvgate.middleware import cli
 from kvgate.middleware.framework.composition.config import parse_config
 from kvgate.middleware.framework.composition.pipeline import build_pipeline
@@ -129,15 +130,52 @@ def test_lmcache_mooncake_store() -> None:
         "exec mooncake_master -rpc_port 50051 -rpc_address 10.0.0.1 -metrics_host 10.0.0.1 "
         "-metrics_port 9003\n")
     lm = yaml.safe_load(files["lmcache-decode-0.yaml"])
-    assert lm == {
-        "chunk_size": 256, "local_cpu": False, "remote_url": "mooncakestore://10.0.0.1:50051/",
+    assert lm == {  # the codec in the data path: LMCache's remote storage plugin framework
+        "chunk_size": 256, "local_cpu": False, "remote_storage_plugins": ["kvcodec"],
         "remote_serde": "naive",
-        "extra_config": {"local_hostname": "10.0.0.3", "metadata_server": "P2PHANDSHAKE",
-                         "protocol": "tcp", "master_server_address": "10.0.0.1:50051",
-                         "mooncake_master_server_addr": "10.0.0.1:50051",
-                         "global_segment_size": 4 << 30, "local_buffer_size": 1 << 30}}
+        "extra_config": {
+            "remote_storage_plugin.kvcodec.module_path": "kvgate.engines.kvcodec.lmcache_plugin",
+            "remote_storage_plugin.kvcodec.class_name": "KvcodecMooncakeConnector",
+            **STORE_SETUP}}
     assert "export LMCACHE_CONFIG_FILE=lmcache-prefill-1.yaml\n" in files["prefill-1.sh"]
     assert files["README.txt"].splitlines()[1] == "  1. mooncake-master.sh (on the master host)"
+    assert "kvgate's lossless KV codec" in files["README.txt"]
+
+
+STORE_SETUP = {"local_hostname": "10.0.0.3", "metadata_server": "P2PHANDSHAKE",
+               "protocol": "tcp", "master_server_address": "10.0.0.1:50051",
+               "mooncake_master_server_addr": "10.0.0.1:50051",
+               "global_segment_size": 4 << 30, "local_buffer_size": 1 << 30}
+
+
+def test_lmcache_mooncake_store_without_the_codec() -> None:
+    files = render(_fleet("lmcache-mooncake", transfer_protocol="tcp", kv_codec=False))
+    assert yaml.safe_load(files["lmcache-decode-0.yaml"]) == {
+        "chunk_size": 256, "local_cpu": False, "remote_url": "mooncakestore://10.0.0.1:50051/",
+        "remote_serde": "naive", "extra_config": STORE_SETUP}
+    assert "codec" not in files["README.txt"]
+
+
+def test_the_codec_plugin_named_by_render_exists() -> None:
+    """The gateway side names the engine-side connector as text (it never imports torch or
+    LMCache): the module and class it names must be there."""
+    module = CODEC_PLUGIN_KEYS["remote_storage_plugin.kvcodec.module_path"]
+    source = Path(__file__).resolve().parents[3] / (
+        module.removeprefix("kvgate.").replace(".", "/") + ".py")
+    tree = ast.parse(source.read_text())
+    classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    assert CODEC_PLUGIN_KEYS["remote_storage_plugin.kvcodec.class_name"] in classes
+    assert f'PLUGIN_NAME = "{CODEC_PLUGIN}"' in source.read_text()
+
+
+@pytest.mark.parametrize(("protocol", "media"), [
+    ("lmcache-mooncake", ["cpu"]), ("nixl", None), ("mooncake", None), ("sglang", None)])
+def test_a_fleet_with_a_shared_tier_routes_tier_aware(protocol: str, media: Any) -> None:
+    """LMCache publishes its stored chunks with medium "cpu": the gateway files them under the
+    shared tier (kv-events shared_media); fleets without a tier keep the default."""
+    config = parse_config(yaml.safe_load(render(_fleet(protocol))["kvgate.yaml"]), "kvgate.yaml")
+    [events] = [p for p in config.plugins if p.type == "kv-events"]
+    assert events.params.get("shared_media") == media
 
 
 @pytest.mark.parametrize(("master", "expected"), [
