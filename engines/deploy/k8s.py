@@ -179,6 +179,29 @@ def _engine_container(fleet: FleetSpec, role: str) -> Obj:
     }
 
 
+#: Where an engine pod finds the kvgate package copied from the gateway image (the codec's
+#: LMCache plugin, engines/kvcodec/lmcache_plugin.py: torch and LMCache come from the engine
+#: image, only kvgate's own files are added).
+KVGATE_LIB = "/opt/kvgate-lib"
+_COPY_KVGATE = ("import kvgate, pathlib, shutil; shutil.copytree(pathlib.Path(kvgate.__file__)"
+                f".parent, '{KVGATE_LIB}/kvgate', dirs_exist_ok=True)")
+
+
+def _with_codec(fleet: FleetSpec, container: Obj, spec: Obj, volumes: list[Obj]) -> None:
+    """LMCache's remote tier through the codec (``kv_codec``): an init container copies the
+    kvgate package from the gateway image into a volume on the engine's PYTHONPATH, so the
+    engine image needs no kvgate install."""
+    if fleet.protocol != "lmcache-mooncake" or not fleet.kv_codec:
+        return
+    volumes.append({"name": "kvgate-lib", "emptyDir": {}})
+    mount = {"name": "kvgate-lib", "mountPath": KVGATE_LIB}
+    spec["initContainers"] = [{"name": "kvgate-lib", "image": fleet.kubernetes.gateway_image,
+                               "command": ["python", "-c", _COPY_KVGATE],
+                               "volumeMounts": [mount]}]
+    container["volumeMounts"].append(mount)
+    container["env"].append({"name": "PYTHONPATH", "value": KVGATE_LIB})
+
+
 def _pool(fleet: FleetSpec, role: str) -> list[Obj]:
     _check_pool(fleet, role)
     k = fleet.kubernetes
@@ -192,12 +215,13 @@ def _pool(fleet: FleetSpec, role: str) -> list[Obj]:
     volumes = [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": k.engine_shm}},
                {"name": "cache", "emptyDir": {}},
                {"name": "config", "configMap": {"name": "kvgate-config"}}]
+    pod: Obj = {"containers": [container], "volumes": volumes}
+    _with_codec(fleet, container, pod, volumes)
     sts = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(name, k, role),
            "spec": {"serviceName": name, "replicas": len(_pool_specs(fleet, role)),
                     "podManagementPolicy": "Parallel",
                     "selector": {"matchLabels": _labels(role)},
-                    "template": {"metadata": {"labels": _labels(role)},
-                                 "spec": {"containers": [container], "volumes": volumes}}}}
+                    "template": {"metadata": {"labels": _labels(role)}, "spec": pod}}}
     return [service, sts]
 
 

@@ -140,8 +140,9 @@ class FleetSpec(BaseModel):
     #: lmcache-mooncake only: LMCache stores its chunks in the Mooncake Store through the
     #: lossless BF16 KV codec (``engines/kvcodec/lmcache_plugin.py``, a remote storage plugin;
     #: ~1/3 fewer bytes on real K/V, docs/shared-tier.md). ``false``: LMCache's own Mooncake
-    #: connector with ``remote_serde: naive`` (raw bytes). With it on, the engine image needs
-    #: the ``kvgate`` package importable (``pip install --no-deps kvgate``).
+    #: connector with ``remote_serde: naive`` (raw bytes). With it on, the engine needs the
+    #: ``kvgate`` package importable: on Kubernetes an init container copies it from the
+    #: gateway image (engines/deploy/k8s.py); elsewhere ``pip install --no-deps kvgate``.
     kv_codec: bool = True
     #: ``--target k8s`` / ``helm`` only (docs/kubernetes.md): images, replicas, Secret names.
     kubernetes: KubernetesSpec = Field(default_factory=KubernetesSpec)

@@ -86,10 +86,10 @@ class FlowParams(BaseModel):
     #: Request header naming the band (``interactive``, ``standard``, ``batch``); capped by the
     #: key's ``max_priority``; echoed on the answer with the band used.
     header: str = Field("x-kvgate-priority", min_length=1, max_length=64)
-    #: [fraction 0..1] Of the fleet's request slots, the last ones go only to tenants under
-    #: their fair share while any tenant is over it: a flooding tenant cannot take the slots a
-    #: light tenant's next turn needs (no preemption: a slot frees only when a request ends).
-    #: 1/8: 2 of 16 slots per engine, enough for a few interactive streams per engine.
+    #: [fraction 0..1] Of each engine's limit (rounded down), the last slots go only to tenants
+    #: under their fair share: a flooding tenant cannot take the slots a light tenant's next
+    #: turn needs on the engine that holds its session (no preemption: a slot frees only when a
+    #: request ends). 1/8: 2 of 16 slots per engine, enough for a few interactive streams.
     reserve_fraction: float = Field(0.125, ge=0, lt=1)
     # -- fairness ------------------------------------------------------------------------
     #: [weight] Per tenant (default 1): a tenant's share of a saturated fleet is its weight

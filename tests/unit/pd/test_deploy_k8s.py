@@ -187,3 +187,23 @@ def test_a_fleet_without_pd_renders_plain_engines(protocol: str, transfer: bool)
     assert config.disaggregation is None
     assert [str(e.kv_events) for e in config.engines] == ["tcp://10.0.0.0:5557",
                                                           "tcp://10.0.0.1:5557"]
+
+
+@pytest.mark.parametrize(("protocol", "codec", "init"), [
+    ("lmcache-mooncake", True, True), ("lmcache-mooncake", False, False), ("nixl", True, False)])
+def test_engine_pods_get_kvgate_for_the_codec(protocol: str, codec: bool, init: bool) -> None:
+    """With the codec in LMCache's data path, each engine pod copies kvgate from the gateway
+    image (an init container) into a volume on the engine's PYTHONPATH; otherwise nothing."""
+    fleet = _fleet(protocol, 1, "none").model_copy(update={"kv_codec": codec})
+    docs = _docs(render_k8s(fleet))
+    _validate(docs)
+    pod = next(d for d in docs if d["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+    engine = pod["containers"][0]
+    env = {e["name"]: e.get("value") for e in engine["env"]}
+    assert ("initContainers" in pod) == init
+    assert (env.get("PYTHONPATH") == "/opt/kvgate-lib") == init
+    if init:
+        (copy,) = pod["initContainers"]
+        assert copy["image"] == fleet.kubernetes.gateway_image
+        assert copy["volumeMounts"] == [{"name": "kvgate-lib", "mountPath": "/opt/kvgate-lib"}]
+        assert {"name": "kvgate-lib", "mountPath": "/opt/kvgate-lib"} in engine["volumeMounts"]
