@@ -13,6 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 LIVE_BANDS: tuple[str, ...] = ("interactive", "standard", "batch")
 BACKGROUND = "background"
 BANDS: tuple[str, ...] = (*LIVE_BANDS, BACKGROUND)
+#: Bands that never take an engine's reserved slots (sheddable and deferred work): the reserve
+#: is for a light tenant's and an interactive turn's next request.
+UNRESERVED_BANDS: frozenset[str] = frozenset(("batch", BACKGROUND))
 LiveBand = Literal["interactive", "standard", "batch"]
 
 

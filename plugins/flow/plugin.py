@@ -69,7 +69,14 @@ from kvgate.middleware.framework.types import (
 )
 from kvgate.plugins.flow.fairness import Fairness
 from kvgate.plugins.flow.metrics import FlowMetrics, TenantLabels
-from kvgate.plugins.flow.params import BACKGROUND, BANDS, LIVE_BANDS, FlowParams, band_rank
+from kvgate.plugins.flow.params import (
+    BACKGROUND,
+    BANDS,
+    LIVE_BANDS,
+    UNRESERVED_BANDS,
+    FlowParams,
+    band_rank,
+)
 from kvgate.plugins.flow.queue import FlowQueue, Waiter
 from kvgate.plugins.flow.saturation import FleetView, Saturation
 from kvgate.plugins.flow.shared import exchange
@@ -158,7 +165,7 @@ class FlowControl(Plugin):
         add_log_field(state, "flow_band", band)
         if band != BACKGROUND:
             add_response_header(state, self.p.header, band)
-        if self.queue.is_empty() and self._fits(eps, ticket.tenant, now):
+        if self.queue.is_empty() and self._fits(eps, ticket.tenant, band, now):
             self.queue.admit_now(ticket.tenant, ticket.tokens, now)
             self.pending += 1
             self._admitted(ticket, state, now, "direct")
@@ -171,15 +178,17 @@ class FlowControl(Plugin):
                               code="queue_full", headers=self._retry_after())
         return self._wait(waiter, ticket, state)
 
-    def _fits(self, eps: Sequence[Endpoint], tenant: str, now: float) -> bool:
-        """A free slot for ``tenant`` now: any free slot for a tenant under its fair share,
-        one past an engine's reserve otherwise."""
+    def _fits(self, eps: Sequence[Endpoint], tenant: str, band: str, now: float) -> bool:
+        """A free slot for ``tenant``'s request of ``band`` now: any free slot for a tenant
+        under its fair share (batch and background: never a reserved one), one past an
+        engine's reserve otherwise."""
         free, opened, capacity = self.saturation.headroom(eps, now)
         self._count_limit_changes()
         self._seen_capacity = capacity
         if free - self.pending <= 0:
             return False
-        return opened - self.pending > 0 or not self.queue.over_share(tenant, capacity, now)
+        return opened - self.pending > 0 or (
+            band not in UNRESERVED_BANDS and not self.queue.over_share(tenant, capacity, now))
 
     async def _wait(self, waiter: Waiter, ticket: Ticket, state: CycleState) -> None:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -320,9 +329,11 @@ class FlowControl(Plugin):
             return eps
         now = time.monotonic()
         tenant = req.tenant or ANONYMOUS
-        over = self.queue.over_share(tenant, self._seen_capacity, now, excluding=1)
+        ticket = state.get(self._ticket)
+        over = ((ticket is not None and ticket.band in UNRESERVED_BANDS)
+                or self.queue.over_share(tenant, self._seen_capacity, now, excluding=1))
         free = set(map(id, self.saturation.unsaturated(eps, now)))
-        if over:  # a tenant over its share leaves each engine's reserve to the others
+        if over:  # leave each engine's reserve to light tenants' interactive/standard turns
             free = set(map(id, self.saturation.unsaturated(eps, now, past_reserve=True))) or free
         if len(free) == len(eps):
             return eps

@@ -8,7 +8,8 @@ then background); within a band the tenant with the smallest virtual token count
 
 Reserve: each engine keeps ``reserve_fraction`` of its limit (rounded down) for tenants under
 their fair share (capacity x weight / active tenants' weights): while no free slot is left past
-the engines' reserves (``opened``), only such tenants get one. A tenant is *active* while it
+the engines' reserves (``opened``), only such tenants get one, and never for a request of the
+batch or background band. A tenant is *active* while it
 has requests queued or in flight, or had one within ``active_window_s``.
 
 Bounded: at most ``max_queued`` waiters per band (then :meth:`enqueue` refuses); heaps hold
@@ -23,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvgate.plugins.flow.fairness import Fairness
-from kvgate.plugins.flow.params import BANDS, FlowParams
+from kvgate.plugins.flow.params import BANDS, UNRESERVED_BANDS, FlowParams
 
 
 @dataclass(eq=False, slots=True)
@@ -186,7 +187,7 @@ class FlowQueue:
     def _next(self, reserve_zone: bool, shares: dict[str, float]) -> Waiter | None:
         for band in BANDS:
             b = self._bands[band]
-            if not b.count:
+            if not b.count or (reserve_zone and band in UNRESERVED_BANDS):
                 continue
             for tenant in sorted(b.live, key=self.fair.counter):
                 if reserve_zone and self.in_flight.get(tenant, 0) >= shares.get(tenant, 0.0):

@@ -129,7 +129,9 @@ def test_reserve_goes_to_tenants_under_their_share() -> None:
     assert q.over_share("A", 16, 0.5) and not q.over_share("B", 16, 0.5)
     assert not q.over_share("B", 16, 0.5, excluding=1)
     a = q.enqueue("standard", "A", None, 10, 0.6)
-    assert a is not None and q.pump(1, 1, 16, 0.7) != []  # a slot open past the reserves
+    assert a is not None and len(q.pump(2, 2, 16, 0.7)) == 2  # slots open past the reserves
+    batch = q.enqueue("batch", "B", None, 10, 0.8)  # B's batch work: never the reserve
+    assert q.pump(1, 0, 16, 0.9) == [] and q.pump(1, 1, 16, 1.0) == [batch]
 
 
 def test_a_lone_tenant_uses_the_whole_fleet() -> None:

@@ -154,9 +154,10 @@ def test_a_tenant_over_its_share_leaves_each_engine_reserve() -> None:
     assert [ep.id for ep in flow.filter(_req("A"), CycleState(), eps)] == ["e1"]
     assert [ep.id for ep in flow.filter(_req("B"), CycleState(), eps)] == ["e0", "e1"]
     full = [_ep("e0", in_flight=14), _ep("e1", in_flight=14)]
-    assert not flow._fits(full, "A", time.monotonic())
-    assert flow._fits(full, "B", time.monotonic())
-    assert flow._fits(eps, "A", time.monotonic())
+    assert not flow._fits(full, "A", "standard", time.monotonic())
+    assert flow._fits(full, "B", "interactive", time.monotonic())
+    assert not flow._fits(full, "B", "batch", time.monotonic())  # batch: never the reserve
+    assert flow._fits(eps, "A", "standard", time.monotonic())
 
 
 def test_an_engine_without_queue_metrics_is_not_held_at_the_slow_start(
