@@ -285,6 +285,32 @@ def summary(t: Tally) -> dict[str, Any]:
             "session_time_p90_s": _p(t.sessions_done, 0.9)}
 
 
+def gateway_view(root: Path, tenant: str, since: float) -> dict[str, Any]:
+    """What the gateways' access logs (``kvgate-*.log`` under ``root``) say about ``tenant``'s
+    requests that started at or after ``since`` (wall clock): time to first byte and the wait
+    in the flow-control queue (p50, p99, max, ms), and how many were placed away from their
+    session's engine (``placement`` ``moved``): the gateway's part of a TTFT."""
+    ttfb: list[float] = []
+    wait: list[float] = []
+    moved = 0
+    for log in root.glob("kvgate-*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            if not line.startswith("{"):
+                continue
+            entry = json.loads(line)
+            started = entry.get("ts", 0) - entry.get("total_s", 0)
+            if entry.get("tenant") != tenant or started < since:
+                continue
+            if entry.get("ttfb_s") is not None:
+                ttfb.append(entry["ttfb_s"] * 1000)
+            wait.append(float(entry.get("flow_wait_ms") or 0.0))
+            moved += entry.get("placement") == "moved"
+    def stats(values: list[float]) -> dict[str, float | None]:
+        return {"p50": _p(values, 0.5), "p99": _p(values, 0.99), "max": max(values, default=None)}
+    return {"n": len(wait), "ttfb_ms": stats(ttfb), "flow_wait_ms": stats(wait),
+            "moved": moved}
+
+
 async def _noisy_cell(url: str, urls: Sequence[str], keys: dict[str, str], flood_on: bool,
                       args: argparse.Namespace, seed: int) -> dict[str, Any]:
     """B's sessions run from the start; A's flood (if any) starts 2 s later; B's TTFTs count
@@ -302,7 +328,8 @@ async def _noisy_cell(url: str, urls: Sequence[str], keys: dict[str, str], flood
     finished = await engine_finished(urls)
     ok = a.statuses[200] + b.statuses[200]
     return {"B": summary(b), "A": summary(a), "engine_finished": finished, "client_200": ok,
-            "exactly_once": finished == ok}
+            "exactly_once": finished == ok,
+            "B_gateway": gateway_view(args.root_path, "B", time.time() - args.duration)}
 
 
 def _ratio(x: float | None, y: float | None) -> float | None:
@@ -322,7 +349,8 @@ def run_noisy(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
                     cells[label] = asyncio.run(
                         _noisy_cell(url, urls, keys, flood_on, args, 100 * trial + 7))
                 print(label, json.dumps(cells[label]["B"]), cells[label]["A"]["statuses"],
-                      "exactly_once", cells[label]["exactly_once"], flush=True)
+                      "exactly_once", cells[label]["exactly_once"],
+                      "gateway", json.dumps(cells[label]["B_gateway"]), flush=True)
         for name in systems:
             cells[f"{name}/ratio_p99"] = _ratio(cells[f"{name}/flood"]["B"]["ttft_p99_s"],
                                                 cells[f"{name}/alone"]["B"]["ttft_p99_s"])
@@ -477,6 +505,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="sessions: the las system's aging_tokens_per_s (default: the plugin's)")
     p.add_argument("--root", default="/tmp/kvgate-bench-flow")
     args = p.parse_args(argv)
+    args.root_path = Path(args.root)
     run = {"noisy": run_noisy, "sessions": run_sessions, "priorities": run_priorities,
            "replicas": run_replicas}
     trials = run[args.scenario](args, Path(args.root))
@@ -487,7 +516,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             "replicas": ["1r/flood/ratio_p99", "2r-redis/flood/ratio_p99",
                          "2r-local/flood/ratio_p99"]}[args.scenario]
     medians = {k: _median(trials, k) for k in keys}
-    out = {"scenario": args.scenario, "args": vars(args), "machine": machine_info(),
+    out = {"scenario": args.scenario, "args": {**vars(args), "root_path": args.root},
+           "machine": machine_info(),
            "calibration": "engines/sim --time-scale 1 (H100_TIMING.md), --max-num-seqs 16",
            "medians": medians, "trials": trials}
     path = Path(f"bench/results/flow_control_{args.scenario}.json")

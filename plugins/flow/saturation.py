@@ -18,10 +18,12 @@ scrape showing a queue in the engine cuts it to this gateway's share of what the
 scrape showing the engine full without a queue doubles it until the first cut (slow start),
 then raises it by one while the engine runs fewer requests than it did when it last queued
 (its observed batch size: a free seat, e.g. another replica left), and past that by one at
-most every ``probe_interval_s`` (the batch may have grown), never past
-``max_in_flight_per_engine`` (with ``learn: false`` the limit is that, fixed). So a gateway
-in front of a 16-sequence engine converges on 16, and N replicas in front of it on about
-16 / N each, without talking to each other.
+most every ``probe_interval_s`` (the batch may have grown) -- each raise only while every
+request counted in flight here is at the engine (``running + waiting >= in_flight``: not the
+gateway's own lag in relaying finished answers) -- never past ``max_in_flight_per_engine``
+(with ``learn: false`` the limit is that, fixed). So a gateway in front of a 16-sequence engine
+converges on 16, and N replicas in front of it on about 16 / N each, without talking to each
+other.
 
 Pools: engines of role ``both`` and ``decode`` serve a request (the serving pool); ``prefill``
 engines form the prefill pool. A request needs a free slot in the serving pool and, when
@@ -248,7 +250,12 @@ class Saturation:
                          ep.id, int(m.waiting), learned.limit, cut)
                 learned.limit = cut
             learned.slow_start = False
-        elif ep.in_flight_requests >= learned.limit and learned.limit < p.max_in_flight_per_engine:
+        elif (ep.in_flight_requests >= learned.limit
+              and learned.limit < p.max_in_flight_per_engine
+              and m.running + m.waiting >= ep.in_flight_requests):
+            # at the limit, and every request counted here is at the engine (not finished
+            # there and still being relayed: a busy gateway must not read its own lag as
+            # free seats, and let a burst into the engine's queue when it catches up)
             if learned.slow_start:
                 learned.limit = min(p.max_in_flight_per_engine, 2 * learned.limit)
             elif learned.ceiling is not None and m.running < learned.ceiling - 0.5:

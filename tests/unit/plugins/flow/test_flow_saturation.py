@@ -69,6 +69,22 @@ def test_limit_is_learned_from_the_engine_queue_and_probed_up() -> None:
     assert (sat.cuts, sat.probes) == (1, 2)
 
 
+def test_a_lagging_gateway_does_not_raise_the_limit() -> None:
+    """16 in flight here at the limit, the engine running 10 without a queue: 6 of ours have
+    finished there and are still being relayed (a busy gateway), not free seats: no raise, on
+    any number of such scrapes. After a cut to 14, a real free seat (all 14 of ours at the
+    engine, running 14 below the observed batch of 16) raises it by one."""
+    sat = Saturation(FlowParams())
+    sat.view([_ep(in_flight=32, running=16, waiting=16, scraped_at=1.0)], 1.0)
+    for t in range(2, 40):
+        view = sat.view([_ep(in_flight=16, running=10, waiting=0, scraped_at=float(t))],
+                        float(t))
+        assert view.engines[0].limit == 16
+    sat.view([_ep(in_flight=16, running=16, waiting=2, scraped_at=50.0)], 50.0)
+    view = sat.view([_ep(in_flight=14, running=14, waiting=0, scraped_at=51.0)], 51.0)
+    assert view.engines[0].limit == 15
+
+
 def test_replicas_learn_their_share() -> None:
     """Two replicas with 16 each on a 16-sequence engine: each cuts to 16 (the limit less the
     queue), then to 8 (its share); when the other replica leaves, the engine shows free seats
