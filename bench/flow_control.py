@@ -99,8 +99,9 @@ def _config(urls: Sequence[str], port: int, root: Path, setup: Setup,
 
 
 def _keys(root: Path) -> dict[str, str]:
-    keys = {"A": new_key(), "B": new_key()}
-    entries = [{"id": f"{t}-1", "tenant": t, "sha256": hash_key(k),
+    """Tenants A and B, and an operator's admin key (``ops``: reads /metrics and /health)."""
+    keys = {"A": new_key(), "B": new_key(), "ops": new_key()}
+    entries = [{"id": f"{t}-1", "tenant": t, "sha256": hash_key(k), "admin": t == "ops",
                 "max_priority": "interactive"} for t, k in keys.items()]
     (root / "keys.yaml").write_text(yaml.safe_dump({"keys": entries}))
     return keys

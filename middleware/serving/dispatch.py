@@ -197,6 +197,14 @@ class Dispatcher:
         self.metrics.pd_requests.labels(result).inc()
 
     # -- engines ----------------------------------------------------------------------------
+    def _now(self, eps: Sequence[Endpoint]) -> Sequence[Endpoint]:
+        """The same engines as the pool sees them now (in-flight counts, health): after a wait
+        in an admission gate the request is scheduled on the fleet as it is when it leaves the
+        queue, not as it was when it arrived (whose counts would send every request that waited
+        through the same burst to the engines that were free then)."""
+        ids = {ep.id for ep in eps}
+        return [ep for ep in self.pool.snapshot() if ep.id in ids]
+
     async def serve_pool(self, ctx: RequestContext, eps: Sequence[Endpoint],
                          profile: str | None = None) -> int:
         """Schedule over ``eps`` (with one named profile, or the configured profiles) and
@@ -207,6 +215,7 @@ class Dispatcher:
             wait = gate.admit(req, ctx.state, eps)
             if wait is not None:
                 await race(wait, ctx.receive, ctx.disconnect)
+                eps = self._now(eps)
         timer = self.metrics.hooks
         for producer in self.pipeline.producers:
             t = time.perf_counter() if timer.on else 0.0

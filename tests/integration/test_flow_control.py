@@ -158,6 +158,31 @@ async def test_every_admitted_request_completes_exactly_once() -> None:
         assert health["queued"]["standard"] == 0 and health["sessions"] == 5
 
 
+async def test_a_request_that_waited_is_placed_on_the_fleet_as_it_is_then() -> None:
+    """Late binding: 2 engines of 1 slot, 12 requests with one session (placement's pin) wait
+    in the gateway; each is scheduled on the in-flight counts when it leaves the queue, not
+    those of when it arrived (both engines busy then): no engine ever holds more than one."""
+    async with sim_fleet(2, time_scale=0.05) as sims, \
+            gateway(_flow_config([s.url for s in sims])) as (_, client):
+        most = [0, 0]
+        done = asyncio.Event()
+
+        async def watch() -> None:
+            while not done.is_set():
+                for i, sim in enumerate(sims):
+                    held = sim.engine.num_running + sim.engine.num_waiting
+                    most[i] = max(most[i], held)
+                await asyncio.sleep(0.002)
+        watcher = asyncio.create_task(watch())
+        answers = await asyncio.gather(*(client.post(
+            CHAT, json=_body(f"same prompt {i}", 24), headers={"x-session-affinity": "s"})
+            for i in range(12)))
+        done.set()
+        await watcher
+        assert [r.status_code for r in answers] == [200] * 12
+        assert most == [1, 1]
+
+
 def _keys(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     secrets = {"capped": new_key(), "vip": new_key()}
     entries = [
