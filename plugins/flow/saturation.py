@@ -41,6 +41,10 @@ from kvgate.middleware.framework.types import KV_CAPACITY_TOKENS, Endpoint, Role
 from kvgate.plugins.flow.params import FlowParams
 
 log = logging.getLogger("kvgate.flow")
+#: Scrapes a queue below the engine's observed batch must last to count as a full engine (its
+#: batch shrank, e.g. a restart with a smaller ``max_num_seqs``), rather than a burst waiting
+#: for a step's prefill budget (gone by the next scrape).
+QUEUE_SCRAPES = 3
 
 
 @dataclass(slots=True)
@@ -48,8 +52,11 @@ class _Learned:
     limit: int
     #: Slow start: the limit doubles until the engine first queues.
     slow_start: bool = True
-    #: The engine's running count the last time it queued: its batch size as observed.
+    #: The engine's running count the last time it queued (raised whenever it ran more without
+    #: a queue): its batch size as observed.
     ceiling: float | None = None
+    #: Consecutive scrapes with a queue while the engine ran below its observed batch.
+    short_queues: int = 0
     seen_scrape: float | None = None
     last_probe: float = 0.0
     stale: bool = False
@@ -236,23 +243,16 @@ class Saturation:
         learned.seen_scrape = m.scraped_at
         p = self.p
         allowed = p.max_engine_waiting
-        if m.waiting > allowed:
-            learned.ceiling = m.running
-            share = ep.in_flight_requests * (m.running + allowed) / (m.running + m.waiting)
-            # this replica's share of the engine's batch, but never below the limit less the
-            # queue (the in-flight count moved since the scrape: a probe's one queued request
-            # costs one slot, not a rounding's two)
-            cut = max(round(share), learned.limit - int(m.waiting - allowed))
-            cut = max(p.min_in_flight_per_engine, min(learned.limit, cut))
-            if cut < learned.limit:
-                self.cuts += 1
-                log.info("flow control: engine %s queues %d requests: limit %d -> %d",
-                         ep.id, int(m.waiting), learned.limit, cut)
-                learned.limit = cut
-            learned.slow_start = False
-        elif (ep.in_flight_requests >= learned.limit
-              and learned.limit < p.max_in_flight_per_engine
-              and m.running + m.waiting >= ep.in_flight_requests):
+        if m.waiting > allowed:  # a queue: cut, when it means no free seat; never raise
+            if self._seat_bound(learned, m.running):
+                self._cut(ep, learned, m.running, m.waiting)
+            return
+        learned.short_queues = 0
+        if learned.ceiling is not None and m.running > learned.ceiling:
+            learned.ceiling = m.running  # it ran that many at once: its batch is no smaller
+        if (ep.in_flight_requests >= learned.limit
+                and learned.limit < p.max_in_flight_per_engine
+                and m.running + m.waiting >= ep.in_flight_requests):
             # at the limit, and every request counted here is at the engine (not finished
             # there and still being relayed: a busy gateway must not read its own lag as
             # free seats, and let a burst into the engine's queue when it catches up)
@@ -266,6 +266,32 @@ class Saturation:
             else:
                 return
             self.probes += 1
+
+    def _cut(self, ep: Endpoint, learned: _Learned, running: float, waiting: float) -> None:
+        """A queue in a full engine: this replica's share of the engine's batch, but never
+        below the limit less the queue (the in-flight count moved since the scrape: a probe's
+        one queued request costs one slot, not a rounding's two)."""
+        p = self.p
+        allowed = p.max_engine_waiting
+        learned.ceiling, learned.short_queues, learned.slow_start = running, 0, False
+        share = ep.in_flight_requests * (running + allowed) / (running + waiting)
+        cut = max(round(share), learned.limit - int(waiting - allowed))
+        cut = max(p.min_in_flight_per_engine, min(learned.limit, cut))
+        if cut < learned.limit:
+            self.cuts += 1
+            log.info("flow control: engine %s queues %d requests: limit %d -> %d",
+                     ep.id, int(waiting), learned.limit, cut)
+            learned.limit = cut
+
+    def _seat_bound(self, learned: _Learned, running: float) -> bool:
+        """Whether a queue in the engine means it has no free seat: it runs its observed batch
+        (or none was observed yet), or the queue outlasted ``QUEUE_SCRAPES`` scrapes. Below its
+        batch a queue is requests waiting for the prefill budget of a step (a burst arriving),
+        gone by the next scrape: cutting on it left a 16-sequence engine at 7."""
+        if learned.ceiling is None or running >= learned.ceiling - 0.5:
+            return True
+        learned.short_queues += 1
+        return learned.short_queues >= QUEUE_SCRAPES
 
     def _saturated(self, ep: Endpoint, limit: int, fresh: bool) -> str | None:
         if not ep.healthy:

@@ -85,6 +85,22 @@ def test_a_lagging_gateway_does_not_raise_the_limit() -> None:
     assert view.engines[0].limit == 15
 
 
+def test_a_burst_waiting_for_prefill_is_not_a_full_engine() -> None:
+    """After the engine queued at 16 running (its batch), a scrape showing 7 running and 7
+    waiting (a burst waiting for a step's prefill budget) cuts nothing; a queue below the batch
+    that lasts QUEUE_SCRAPES scrapes does (the batch shrank), and the limit follows it."""
+    from kvgate.plugins.flow.saturation import QUEUE_SCRAPES
+
+    sat = Saturation(FlowParams())
+    sat.view([_ep(in_flight=32, running=16, waiting=16, scraped_at=1.0)], 1.0)
+    view = sat.view([_ep(in_flight=16, running=7, waiting=7, scraped_at=2.0)], 2.0)
+    assert view.engines[0].limit == 16
+    view = sat.view([_ep(in_flight=16, running=16, waiting=0, scraped_at=3.0)], 3.0)
+    for t in range(QUEUE_SCRAPES):
+        view = sat.view([_ep(in_flight=16, running=8, waiting=8, scraped_at=4.0 + t)], 4.0 + t)
+    assert view.engines[0].limit == 8
+
+
 def test_replicas_learn_their_share() -> None:
     """Two replicas with 16 each on a 16-sequence engine: each cuts to 16 (the limit less the
     queue), then to 8 (its share); when the other replica leaves, the engine shows free seats
