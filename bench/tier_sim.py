@@ -19,6 +19,9 @@ Setups of one run (``--gpu-blocks`` C per engine, ``--engines`` N):
 * ``tier-aware``: the same, routing credits the tier;
 * ``tier-aware-codec``: the tier holding 1 / (1 - saving) more blocks (the KV codec's saving,
   read from ``--codec-saving`` JSON; the issue's entropy bound 0.33 when the file is missing);
+  with ``--codec-speed`` (a ``kvgate codec bench --speed`` JSON) its loads also move encoded
+  bytes and pay the measured decode time, in the TTFT (:mod:`bench.tier_codec`); without it the
+  codec's time is not charged, and the output says so;
 * ``equal-total``: N x (C - x) GPU blocks plus a tier of N x x (x = C / 4), tier-aware: the same
   total blocks as ``no-tier``;
 * ``tier-aware-evicted``: as ``tier-aware``, but engines write a block to the tier when their
@@ -47,10 +50,19 @@ from bench.placement_sim import Lookup, _request
 from bench.replay import TRACE_DIR, trace_path
 from bench.replay_metrics import lru_hit_ratio, percentile
 from bench.replay_trace import TRACE_BLOCK, TraceRequest, infer_sessions, load_trace, prompt_tokens
+from bench.tier_codec import (
+    NOT_CHARGED,
+    NOT_CHARGED_SHORT,
+    CodecSpeed,
+    CodecTier,
+    load_speed,
+    make_tier,
+    row_label,
+)
 from kvgate.engines.sim.core.config import SimConfig
 from kvgate.engines.sim.core.prefix_cache import block_hashes
 from kvgate.engines.sim.core.scheduler import Planned, Scheduler, SeqSpec
-from kvgate.engines.sim.core.shared_tier import SharedTier, TierParams
+from kvgate.engines.sim.core.shared_tier import TierParams
 from kvgate.engines.sim.core.timing import TimingModel
 from kvgate.middleware.framework.types import (
     KV_CAPACITY_TOKENS,
@@ -79,6 +91,8 @@ class Setup:
     write: Literal["through", "evicted"] = "through"
     #: The tier's credit in routing when ``aware``; None: derived (:class:`TierLink`).
     credit: float | None = None
+    #: The codec's measured speed charged to the tier's loads; None: codec time not charged.
+    codec: CodecSpeed | None = None
 
 
 class Fleet:
@@ -86,9 +100,9 @@ class Fleet:
 
     def __init__(self, setup: Setup, engines: int, seed: int = 0) -> None:
         self.setup = setup
-        self.tier = None if not setup.tier_blocks else SharedTier(TierParams(
+        self.tier = None if not setup.tier_blocks else make_tier(TierParams(
             capacity_blocks=setup.tier_blocks, block_size=TRACE_BLOCK,
-            capacity_factor=setup.capacity_factor, write=setup.write))
+            capacity_factor=setup.capacity_factor, write=setup.write), setup.codec)
         cfg = [SimConfig(engine_id=f"e{k}", block_size=TRACE_BLOCK,
                          capacity_blocks=setup.gpu_blocks,
                          max_model_len=TRACE_BLOCK * setup.gpu_blocks, seed=k)
@@ -109,6 +123,8 @@ class Fleet:
         self.scorer = KvPlacementScorer("kv-placement-scorer",
                                         KvPlacementScorer.Params.model_validate(params), Lookup())
         self.rng = random.Random(seed)
+        #: Each served request's TTFT (H100 seconds) by request id, in first-token order.
+        self.ttfts: dict[str, float] = {}
         self.events: list[tuple[float, int, int, Any]] = []
         self._n = 0
 
@@ -190,6 +206,7 @@ class Fleet:
             if seq.num_output == 1:
                 sent, engine, charge = arrival.pop(seq.request_id)
                 ttft.append(t - sent)
+                self.ttfts[seq.request_id] = t - sent
                 cached.append(seq.cached_tokens or 0)
                 self.in_flight[engine] -= charge
 
@@ -210,6 +227,9 @@ class Fleet:
         }
         if self.tier is not None:
             out["tier"] = {**asdict(self.tier.stats), "capacity": self.tier.capacity}
+        out["codec_time"] = (self.tier.figures() if isinstance(self.tier, CodecTier)
+                             else {"charged": False, "label": NOT_CHARGED,
+                                   "short": NOT_CHARGED_SHORT})
         return out
 
 
@@ -228,15 +248,17 @@ def codec_factor(path: Path) -> tuple[float, str]:
 
 
 def setups(engines: int, gpu: int, tier: int | None, factor: float,
-           names: Sequence[str]) -> list[Setup]:
-    """The setups of one capacity (module docstring), in ``names``' order."""
+           names: Sequence[str], codec: CodecSpeed | None = None) -> list[Setup]:
+    """The setups of one capacity (module docstring), in ``names``' order; ``codec`` is
+    charged to ``tier-aware-codec`` only."""
     tier_blocks = engines * gpu if tier is None else tier
     moved = gpu // 4
     every = {
         "no-tier": Setup("no-tier", gpu),
         "tier": Setup("tier", gpu, tier_blocks),
         "tier-aware": Setup("tier-aware", gpu, tier_blocks, aware=True),
-        "tier-aware-codec": Setup("tier-aware-codec", gpu, tier_blocks, factor, aware=True),
+        "tier-aware-codec": Setup("tier-aware-codec", gpu, tier_blocks, factor, aware=True,
+                                  codec=codec),
         "equal-total": Setup("equal-total", gpu - moved, engines * moved, aware=True),
         "tier-aware-evicted": Setup("tier-aware-evicted", gpu, tier_blocks, aware=True,
                                     write="evicted"),
@@ -266,7 +288,7 @@ def references(name: str, reqs: Sequence[TraceRequest], fleet: int) -> dict[str,
 
 def markdown(doc: dict[str, Any]) -> str:
     """The results as one markdown table per trace and capacity."""
-    out: list[str] = []
+    out: list[str] = [f"Codec time: {doc.get('codec_time', NOT_CHARGED)}"]
     refs = {(r["trace"], r["fleet_blocks"]): r for r in doc["references"]}
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for row in doc["results"]:
@@ -284,7 +306,7 @@ def markdown(doc: dict[str, Any]) -> str:
                 "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             tier = r.get("tier", {}).get("capacity", 0)
-            out.append(f"| {r['name']} | {r['gpu_blocks']} | {tier} | {r['hit_ratio']:.3f} | "
+            out.append(f"| {row_label(r)} | {r['gpu_blocks']} | {tier} | {r['hit_ratio']:.3f} | "
                        f"{r['gpu_hit_ratio']:.3f} | {r['tier_hit_ratio']:.3f} | "
                        f"{r['ttft_p50_s']:.3f} | {r['ttft_p90_s']:.3f} | {r['ttft_p99_s']:.3f} | "
                        f"{r['ttft_mean_s']:.3f} | {r['preemptions']} | "
@@ -304,6 +326,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--setups", default=",".join(SETUPS))
     p.add_argument("--max-output", type=int, default=32, help="output cap, as bench.replay")
     p.add_argument("--codec-saving", type=Path, default=Path("bench/results/codec-saving.json"))
+    p.add_argument("--codec-speed", type=Path, default=None,
+                   help="a `kvgate codec bench --speed` JSON: tier-aware-codec's loads pay its "
+                        "decode time in the TTFT (default: codec time not charged)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--report", type=Path, default=None,
                    help="print the markdown tables of a results JSON and exit")
@@ -321,10 +346,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(markdown(report))
         return report
     factor, source = codec_factor(args.codec_saving)
-    print(f"codec capacity factor {factor:.3f} ({source})", flush=True)
+    speed = None if args.codec_speed is None else load_speed(args.codec_speed)
+    codec_time = NOT_CHARGED if speed is None else speed.label
+    print(f"codec capacity factor {factor:.3f} ({source})\n{codec_time}", flush=True)
     doc: dict[str, Any] = {
         "benchmark": "tier_sim", "engines": args.engines, "max_output_tokens": args.max_output,
-        "codec_factor": factor, "codec_source": source, "tier_credit": TierLink().credit,
+        "codec_factor": factor, "codec_source": source, "codec_time": codec_time,
+        "codec_speed": None if speed is None else asdict(speed), "tier_credit": TierLink().credit,
         "tier_link": TierLink().model_dump(), "tier_params": TierParams(
             capacity_blocks=1, block_size=TRACE_BLOCK).model_dump(
                 exclude={"capacity_blocks", "capacity_factor"}),
@@ -335,12 +363,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for gpu in (int(c) for c in args.gpu_blocks.split(",")):
             doc["references"].append(references(name, reqs, args.engines * gpu))
             for setup in setups(args.engines, gpu, args.tier_blocks, factor,
-                                args.setups.split(",")):
+                                args.setups.split(","), speed):
                 started = time.monotonic()
                 row = Fleet(setup, args.engines).run(reqs, args.max_output)
                 row.update(trace=name, wall_s=round(time.monotonic() - started, 1))
                 doc["results"].append(row)
-                print(f"{name}:{len(reqs)} {args.engines}x{gpu} {setup.name:17s} "
+                print(f"{name}:{len(reqs)} {args.engines}x{gpu} {row_label(row):17s} "
                       f"hit {row['hit_ratio']:.3f} (gpu {row['gpu_hit_ratio']:.3f} tier "
                       f"{row['tier_hit_ratio']:.3f})  TTFT p50 {row['ttft_p50_s']:.3f} "
                       f"p90 {row['ttft_p90_s']:.3f} p99 {row['ttft_p99_s']:.3f} s  "
