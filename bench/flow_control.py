@@ -12,7 +12,8 @@ Scenarios (``--scenario``), each a same-run comparison (systems rotated per tria
   TTFT p50/p99, ratios to B alone, A's status counts (429s carry ``Retry-After``), and
   exactly-once: the engines' finished-request count equals the clients' 200s.
 * ``sessions`` -- agent sessions at saturation, one tenant: ``--long-sessions`` long sessions
-  (many turns, long context) and ``--short-sessions`` short ones, all closed loops, behind
+  (many turns, long context, from the start) and ``--short-sessions`` short ones (starting over
+  the measured window, after ``--warmup``), all closed loops, behind
   flow control with ``session_order: las`` vs ``fifo``. Reported: TTFT p99 and max, short
   sessions' completion time (median, p90).
 * ``replicas`` -- the noisy neighbour through 1 gateway vs 2 replicas sharing fairness through
@@ -361,11 +362,16 @@ def run_noisy(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
 
 async def _sessions_cell(url: str, keys: dict[str, str], args: argparse.Namespace,
                          seed: int) -> dict[str, Any]:
-    longs, shorts = Tally(), Tally()
-    stop = time.monotonic() + args.duration
+    """The long sessions start together and run ``warmup + duration``; the short ones start
+    evenly over the measured ``duration`` after ``warmup`` (the fleet saturated by then, the
+    long sessions already served: not the cold start where every session is new and least
+    attained service has nothing to tell apart); TTFTs count from ``warmup`` on."""
+    start = time.monotonic()
+    longs, shorts = Tally(measure_from=start + args.warmup), Tally()
+    stop = start + args.warmup + args.duration
     tasks = [agent(url, keys["A"], f"long-{seed}-{i}", 10_000, 1500, 32, 0.0, stop, longs,
                    seed + i) for i in range(args.long_sessions)]
-    tasks += [_later(i * args.duration / (args.short_sessions + 1),
+    tasks += [_later(args.warmup + i * args.duration / (args.short_sessions + 1),
                      agent(url, keys["A"], f"short-{seed}-{i}", 3, 100, 32, 0.0, stop + 120,
                            shorts, seed + 1000 + i)) for i in range(args.short_sessions)]
     await asyncio.gather(*tasks)
@@ -495,7 +501,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--duration", type=float, default=30.0, help="measured seconds per cell")
-    p.add_argument("--warmup", type=float, default=5.0, help="flood head start (s)")
+    p.add_argument("--warmup", type=float, default=5.0,
+                   help="uncounted seconds first: the flood's head start (noisy, "
+                        "priorities, replicas), the long sessions' (sessions)")
     p.add_argument("--a-concurrency", type=int, default=160,
                    help="A's requests in flight: 10x its share of engines x 16 slots / 2")
     p.add_argument("--b-sessions", type=int, default=3)
