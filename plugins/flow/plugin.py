@@ -328,13 +328,16 @@ class FlowControl(Plugin):
         if not eps:
             return eps
         now = time.monotonic()
-        tenant = req.tenant or ANONYMOUS
+        opened = self.saturation.unsaturated(eps, now, past_reserve=True)
+        if len(opened) == len(eps):  # a slot past the reserve everywhere: nothing to keep out
+            return eps
         ticket = state.get(self._ticket)
         over = ((ticket is not None and ticket.band in UNRESERVED_BANDS)
-                or self.queue.over_share(tenant, self._seen_capacity, now, excluding=1))
-        free = set(map(id, self.saturation.unsaturated(eps, now)))
-        if over:  # leave each engine's reserve to light tenants' interactive/standard turns
-            free = set(map(id, self.saturation.unsaturated(eps, now, past_reserve=True))) or free
+                or self.queue.over_share(req.tenant or ANONYMOUS, self._seen_capacity, now,
+                                         excluding=1))
+        # a request over its share leaves each engine's reserve to light tenants' turns
+        free = set(map(id, opened)) if over and opened else set(
+            map(id, self.saturation.unsaturated(eps, now)))
         if len(free) == len(eps):
             return eps
         kept: list[Endpoint] = []
