@@ -182,12 +182,10 @@ class FlowControl(Plugin):
         """A free slot for ``tenant``'s request of ``band`` now: any free slot for a tenant
         under its fair share (batch and background: never a reserved one), one past an
         engine's reserve otherwise."""
-        free, opened, capacity = self.saturation.headroom(eps, now)
-        self._count_limit_changes()
-        self._seen_capacity = capacity
-        if free - self.pending <= 0:
+        free, opened, capacity = self._headroom(eps, now)
+        if free <= 0:
             return False
-        return opened - self.pending > 0 or (
+        return opened > 0 or (
             band not in UNRESERVED_BANDS and not self.queue.over_share(tenant, capacity, now))
 
     async def _wait(self, waiter: Waiter, ticket: Ticket, state: CycleState) -> None:
@@ -256,11 +254,22 @@ class FlowControl(Plugin):
         return None
 
     # -- the pump --------------------------------------------------------------------------
+    def _fleet(self) -> Sequence[Endpoint]:
+        """The pool's engines now (the loopback's snapshot), else the last request's."""
+        return self._endpoints() if self._endpoints is not None else self._last_eps
+
     def _view(self, now: float) -> FleetView:
-        eps = self._endpoints() if self._endpoints is not None else self._last_eps
-        view = self.saturation.view(eps, now)
+        view = self.saturation.view(self._fleet(), now)
         self._count_limit_changes()
         return view
+
+    def _headroom(self, eps: Sequence[Endpoint], now: float) -> tuple[int, int, int]:
+        """Free slots and slots past the reserves, less the admitted requests not dispatched
+        yet, and the capacity (remembered for the filter's fair shares)."""
+        free, opened, capacity = self.saturation.headroom(eps, now)
+        self._count_limit_changes()
+        self._seen_capacity = capacity
+        return free - self.pending, opened - self.pending, capacity
 
     def _count_limit_changes(self) -> None:
         s = self.saturation
@@ -276,11 +285,8 @@ class FlowControl(Plugin):
             self._refuse(w, now)
         if self.queue.is_empty():
             return
-        eps = self._endpoints() if self._endpoints is not None else self._last_eps
-        free, opened, capacity = self.saturation.headroom(eps, now)
-        self._count_limit_changes()
-        self._seen_capacity = capacity
-        for w in self.queue.pump(free - self.pending, opened - self.pending, capacity, now):
+        free, opened, capacity = self._headroom(self._fleet(), now)
+        for w in self.queue.pump(free, opened, capacity, now):
             future = self._futures.pop(w.seq, None)
             if future is not None and not future.done():
                 future.set_result(None)
