@@ -7,7 +7,9 @@ no I/O, so a request sees the old or the new version, never a mix). The ``api-ke
 drives it: it polls the files' (mtime_ns, size, inode) every ``watch_interval_s`` and on an
 admin ``POST /v1/admin/reload`` (every replica, through Redis). A failed reload leaves the
 plugin on its last good version, logs one WARNING per distinct error, and shows on ``/health``
-and in ``/metrics`` (:class:`ReloadStatus`) until a reload succeeds.
+and in ``/metrics`` (:class:`ReloadStatus`) until a reload succeeds. A watched file that is
+empty is a failed reload too (a file caught while being rewritten in place), as is an empty
+keys file (``keys_model.parse_keys``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,17 @@ def signature(paths: Sequence[Path]) -> tuple[tuple[int, int, int] | None, ...]:
         else:
             out.append((st.st_mtime_ns, st.st_size, st.st_ino))
     return tuple(out)
+
+
+def _refuse_empty(paths: Sequence[Path]) -> None:
+    """ConfigError for a watched file that exists but is empty: a file truncated and then
+    rewritten in place reads empty for a moment, and an empty catalog or price book would
+    otherwise be taken as one with nothing in it. The write that completes it changes the
+    file's signature, so the next poll reloads it."""
+    for path, sig in zip(paths, signature(paths), strict=True):
+        if sig is not None and sig[1] == 0:
+            raise ConfigError(f"{path}: the file is empty (being written?): replace watched "
+                              "files whole (write a new file, then rename it over the old one)")
 
 
 @dataclass(slots=True)
@@ -107,6 +120,7 @@ class FileReloader:
 
     async def reload(self) -> bool:
         try:
+            await asyncio.to_thread(_refuse_empty, self.paths)
             new = await asyncio.to_thread(self.target.load_new)
             what = self.target.commit(new)
         except ConfigError as exc:

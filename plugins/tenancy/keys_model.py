@@ -164,10 +164,21 @@ def build_index(parsed: KeysFile) -> KeyIndex:
     return KeyIndex(by_hash, by_id, parsed)
 
 
+#: Why an empty keys file is refused rather than read as "no keys": an editor or a script that
+#: truncates the file and then writes it leaves it empty for a moment, and a reload landing in
+#: that moment would lock every caller out, admins included.
+EMPTY_KEYS_FILE = ("the keys file is empty (a file being written?): write a keys file whole "
+                   "(write a new file, then rename it over the old one); no keys is `keys: []`")
+
+
 def parse_keys(text: str, source: str) -> KeysFile:
-    """A keys document (ConfigError naming ``source`` on any problem)."""
+    """A keys document (ConfigError naming ``source`` on any problem, an empty one included:
+    see :data:`EMPTY_KEYS_FILE`)."""
     try:
-        return KeysFile.model_validate(yaml.safe_load(text) or {})
+        document = yaml.safe_load(text)
+        if document is None:  # nothing but blanks and comments
+            raise ConfigError(f"{source}: {EMPTY_KEYS_FILE}")
+        return KeysFile.model_validate(document)
     except (yaml.YAMLError, ValidationError) as exc:
         raise ConfigError(f"{source}: invalid keys file: {exc}") from None
 

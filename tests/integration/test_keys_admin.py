@@ -194,13 +194,16 @@ async def test_keys_file_edit_reloads_and_a_bad_edit_keeps_the_last_good(gw: Gw)
     update_file(path, lambda kf: kf.model_copy(update={"keys": (*kf.keys, KeyEntry(
         id="hand-1", tenant="acme", sha256=hash_key(extra)))}))
     assert await until(lambda: gw.works(extra), 10)
-    path.write_text("keys: [{id: broken")
 
-    async def degraded() -> bool:
+    async def degraded(why: str) -> bool:
         health = (await gw.client.get("/health", headers=gw.auth(ADMIN))).json()
         health = health["plugins"]["api-keys"]
-        return health.get("ok") is False and "invalid keys file" in health["reload_error"]
-    await until(degraded, 10)
+        return health.get("ok") is False and why in health["reload_error"]
+    path.write_text("")  # a writer that truncated the file and has not written yet
+    assert await until(lambda: degraded("keys file is empty"), 10)
+    assert await gw.works(extra) and await gw.works(USER)  # not read as "no keys"
+    path.write_text("keys: [{id: broken")
+    assert await until(lambda: degraded("invalid keys file"), 10)
     assert await gw.works(extra) and await gw.works(USER)  # the last good keys serve
     metrics = (await gw.client.get("/metrics", headers=gw.auth(ADMIN))).text
     assert "kvgate_config_reload_degraded 1.0" in metrics

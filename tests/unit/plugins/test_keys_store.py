@@ -34,6 +34,7 @@ from kvgate.plugins.tenancy.keys_store import (
     revoke_key,
     rotate_key,
     set_tenant,
+    update_file,
 )
 from tests.servers import REDIS_SERVER, RedisServer
 
@@ -142,6 +143,35 @@ async def test_reload_keeps_last_good(tmp_path: Path, writes: list[str], final: 
     assert (reloader.status.error is not None) is (writes[-1] in ("oops", "y"))
     await reloader.poll()  # nothing changed: nothing re-read
     assert reloader.status.failed == failed
+
+
+async def test_an_empty_watched_file_is_a_failed_reload_until_it_is_written(
+        tmp_path: Path) -> None:
+    path = tmp_path / "v.yaml"
+    path.write_text("1")
+    target = _Target(path)
+    reloader = FileReloader("t", target)
+    await reloader.reload()
+    path.write_text("")  # truncated by a writer that has not written yet
+    await reloader.poll()
+    assert target.value == 1 and reloader.status.failed == 1
+    assert "empty" in (reloader.status.error or "")
+    path.write_text("2\n")
+    await reloader.poll()
+    assert (target.value, reloader.status.error) == (2, None)
+
+
+@pytest.mark.parametrize("text", ["", "\n", "# keys written below\n"])
+def test_an_empty_keys_file_is_refused_not_read_as_no_keys(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "keys.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="keys file is empty"):
+        read_keys_file(path)
+    with pytest.raises(ConfigError, match="keys file is empty"):  # nor overwritten by a change
+        update_file(path, lambda kf: kf)
+    assert path.read_text() == text
+    path.write_text("keys: []\n")
+    assert read_keys_file(path).keys == ()
 
 
 @pytest.fixture
