@@ -28,6 +28,9 @@ import aiohttp
 from bench.agentic import Agent, SubAgent, Turn, Workload
 
 SESSION_HEADER = "x-session-affinity"
+#: The same session id under the name vllm-router's ``consistent_hash`` reads (kvgate reads it
+#: too, as an alternative to ``x-session-affinity``: same value, same session).
+PEER_SESSION_HEADER = "x-session-id"
 PARENT_HEADER = "x-parent-session-id"
 #: Response header in which kvgate names the engine that served a request.
 ENGINE_HEADER = "x-kvgate-engine"
@@ -125,6 +128,7 @@ class Runner:
         out = {"content-type": "application/json"}
         if self.sessions:
             out[SESSION_HEADER] = sid
+            out[PEER_SESSION_HEADER] = sid  # vllm-router's consistent_hash keys on it
             if parent is not None:
                 out[PARENT_HEADER] = parent
         return out

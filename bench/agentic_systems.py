@@ -10,7 +10,12 @@
   engine (seen here: 102 of 102 requests on engine-0);
 * ``session-pin``: ``session-affinity-scorer`` alone with a load bound no run reaches
   (``load_factor`` 1000): pure rendezvous pinning of each session (headers only);
-* ``vllm-router-cache_aware``: the peer router (venv from :mod:`bench.venvs`), optional.
+* ``least-loaded``: health + model filters, ``least-in-flight-scorer`` and ``max-score-picker``
+  (ties broken by the seeded RNG): the fewest requests in flight, cache-blind (one mode);
+* ``vllm-router-cache_aware``, ``vllm-router-consistent_hash``: the peer router 0.1.17 (venv
+  from :mod:`bench.venvs`), optional. ``cache_aware`` routes on the prompt text (one mode: it
+  reads no session header); ``consistent_hash`` hashes ``x-session-id`` (the client sends it
+  next to ``x-session-affinity`` in the headers mode), so it runs with headers only.
 
 Config-file systems name the engines ``engine-<i>`` like ``kvgate serve --engine`` does, so the
 ``x-kvgate-engine`` response header means the same in every kvgate run.
@@ -66,8 +71,12 @@ SYSTEMS: Mapping[str, System] = {s.name: s for s in (
     System("kvgate-precise", (HEADERS, NO_HEADERS), "serve"),
     System("random", (NO_HEADERS,), "config"),
     System("session-pin", (HEADERS,), "config"),
+    System("least-loaded", (NO_HEADERS,), "config"),
     System("vllm-router-cache_aware", (NO_HEADERS,), "vllm-router"),
+    System("vllm-router-consistent_hash", (HEADERS,), "vllm-router"),
 )}
+#: The vllm-router systems' ``--policy``.
+VLLM_ROUTER_PREFIX = "vllm-router-"
 DEFAULT_SYSTEMS = ("kvgate-default", "kvgate-precise", "random", "session-pin")
 
 
@@ -91,6 +100,10 @@ def config(name: str, fleet: Fleet, port: int) -> dict[str, Any]:
     base = [{"type": "health-filter"}, {"type": "model-filter"}]
     if name == "random":
         profile = _profile([*base, {"type": "max-score-picker"}], {})
+    elif name == "least-loaded":
+        least = {"type": "least-in-flight-scorer"}
+        profile = _profile([*base, least, {"type": "max-score-picker"}],
+                           {"least-in-flight-scorer": 1.0})
     elif name == "session-pin":
         pin = {"type": "session-affinity-scorer",
                "params": {"load_factor": PIN_LOAD_FACTOR, "load_slack": PIN_LOAD_FACTOR}}
@@ -103,9 +116,10 @@ def config(name: str, fleet: Fleet, port: int) -> dict[str, Any]:
             **profile}
 
 
-def vllm_router_argv(fleet: Fleet, port: int, root: Path) -> list[str]:
+def vllm_router_argv(fleet: Fleet, port: int, root: Path, policy: str = "cache_aware"
+                     ) -> list[str]:
     program = venvs.bin_path(venvs.VLLM_ROUTER, "vllm-router", root)
-    return [str(program), "--worker-urls", *fleet.urls, "--policy", "cache_aware",
+    return [str(program), "--worker-urls", *fleet.urls, "--policy", policy,
             "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
             "--prometheus-port", str(procs.free_port()), "--log-level", "warning"]
 
@@ -118,7 +132,7 @@ def argv_for(system: System, fleet: Fleet, port: int, logs: Path, root: Path) ->
         path.write_text(json.dumps(config(system.name, fleet, port), indent=1))
         return [KVGATE, "serve", "--config", str(path)]
     venvs.ensure(venvs.VLLM_ROUTER, root)
-    return vllm_router_argv(fleet, port, root)
+    return vllm_router_argv(fleet, port, root, system.name.removeprefix(VLLM_ROUTER_PREFIX))
 
 
 @contextlib.contextmanager

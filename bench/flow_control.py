@@ -338,8 +338,18 @@ def _ratio(x: float | None, y: float | None) -> float | None:
     return None if x is None or y is None or y == 0 else round(x / y, 3)
 
 
+def _variants(args: argparse.Namespace) -> dict[str, Setup]:
+    """``--variant NAME=JSON``: more systems, flow control with these params (same run)."""
+    out: dict[str, Setup] = {}
+    for spec in args.variant:
+        name, _, params = spec.partition("=")
+        out[name] = Setup(args.engines, flow=json.loads(params))
+    return out
+
+
 def run_noisy(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
-    systems = {"off": Setup(args.engines, flow=None), "on": Setup(args.engines)}
+    systems = {"off": Setup(args.engines, flow=None), "on": Setup(args.engines),
+               **_variants(args)}
     trials = []
     for trial in range(args.trials):
         names = list(systems) if trial % 2 == 0 else list(reversed(systems))
@@ -428,17 +438,22 @@ async def _priorities_cell(url: str, keys: dict[str, str], batch_on: bool,
 
 
 def run_priorities(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
+    """The default (cells ``alone``, ``with_batch``, ``ratio_p99``) and each ``--variant``
+    (the same, prefixed ``NAME/``)."""
+    setups = {"": Setup(args.engines), **{f"{k}/": v for k, v in _variants(args).items()}}
     trials = []
     for trial in range(args.trials):
         cells: dict[str, Any] = {}
-        for batch_on in ((False, True) if trial % 2 == 0 else (True, False)):
-            label = "with_batch" if batch_on else "alone"
-            with system(root, Setup(args.engines)) as (url, _, keys):
-                cells[label] = asyncio.run(_priorities_cell(url, keys, batch_on, args,
-                                                            100 * trial + 5))
-            print(label, json.dumps(cells[label]), flush=True)
-        cells["ratio_p99"] = _ratio(cells["with_batch"]["interactive"]["ttft_p99_s"],
-                                    cells["alone"]["interactive"]["ttft_p99_s"])
+        for prefix, setup in setups.items():
+            for batch_on in ((False, True) if trial % 2 == 0 else (True, False)):
+                label = prefix + ("with_batch" if batch_on else "alone")
+                with system(root, setup) as (url, _, keys):
+                    cells[label] = asyncio.run(_priorities_cell(url, keys, batch_on, args,
+                                                                100 * trial + 5))
+                print(label, json.dumps(cells[label]), flush=True)
+            cells[f"{prefix}ratio_p99"] = _ratio(
+                cells[f"{prefix}with_batch"]["interactive"]["ttft_p99_s"],
+                cells[f"{prefix}alone"]["interactive"]["ttft_p99_s"])
         trials.append(cells)
     return trials
 
@@ -512,16 +527,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--short-sessions", type=int, default=40)
     p.add_argument("--aging", type=float, default=None,
                    help="sessions: the las system's aging_tokens_per_s (default: the plugin's)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                   help="noisy, priorities: one more system, flow control with these params "
+                        "(e.g. 'paced={\"over_share_pace_s\": 0.05}'); repeatable")
     p.add_argument("--root", default="/tmp/kvgate-bench-flow")
     args = p.parse_args(argv)
     args.root_path = Path(args.root)
     run = {"noisy": run_noisy, "sessions": run_sessions, "priorities": run_priorities,
            "replicas": run_replicas}
     trials = run[args.scenario](args, Path(args.root))
-    keys = {"noisy": ["off/ratio_p99", "on/ratio_p99"],
+    names = [spec.partition("=")[0] for spec in args.variant]
+    keys = {"noisy": ["off/ratio_p99", "on/ratio_p99", *(f"{n}/ratio_p99" for n in names)],
             "sessions": ["ratio_ttft_p99", "ratio_short_ttft_p99", "ratio_short_session_p50",
                          "las_max_ttft_s", "fifo_max_ttft_s"],
-            "priorities": ["ratio_p99"],
+            "priorities": ["ratio_p99", *(f"{n}/ratio_p99" for n in names)],
             "replicas": ["1r/flood/ratio_p99", "2r-redis/flood/ratio_p99",
                          "2r-local/flood/ratio_p99"]}[args.scenario]
     medians = {k: _median(trials, k) for k in keys}

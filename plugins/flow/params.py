@@ -94,6 +94,12 @@ class FlowParams(BaseModel):
     #: turn needs on the engine that holds its session (no preemption: a slot frees only when a
     #: request ends). 1/8: 2 of 16 slots per engine, enough for a few interactive streams.
     reserve_fraction: float = Field(0.125, ge=0, lt=1)
+    #: [s] A tenant over its fair share enters each engine at most once per this interval
+    #: (0: no pacing). Its requests otherwise enter in waves: equal requests admitted
+    #: together end together, and their slots refill at once with ~a batch of prompts to
+    #: prefill, which a light tenant's turn arriving then shares its prefill steps with.
+    #: Pacing spreads the refills (and so, over time, the ends). docs/flow-control.md.
+    over_share_pace_s: float = Field(0.0, ge=0, le=10)
     # -- fairness ------------------------------------------------------------------------
     #: [weight] Per tenant (default 1): a tenant's share of a saturated fleet is its weight
     #: over the active tenants' sum.

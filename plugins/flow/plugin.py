@@ -98,6 +98,8 @@ class Ticket:
     admitted: bool = False
     dispatched: bool = False
     corrected: bool = False
+    #: Admitted over its tenant's fair share with pacing on: paces the engine it is sent to.
+    paced: bool = False
 
 
 class FlowControl(Plugin):
@@ -128,6 +130,8 @@ class FlowControl(Plugin):
         self._last_eps: Sequence[Endpoint] = ()
         #: Requests admitted here and not dispatched yet (their engine slot is not taken yet).
         self.pending = 0
+        #: Of those, the paced ones (over their tenant's share): each will pace an engine.
+        self.pending_paced = 0
         #: The fleet's capacity at the last admission or pump (the filter's fair shares).
         self._seen_capacity = 0
         self._task: asyncio.Task[None] | None = None
@@ -165,7 +169,7 @@ class FlowControl(Plugin):
         add_log_field(state, "flow_band", band)
         if band != BACKGROUND:
             add_response_header(state, self.p.header, band)
-        if self.queue.is_empty() and self._fits(eps, ticket.tenant, band, now):
+        if self.queue.is_empty() and self._fits(eps, ticket, now):
             self.queue.admit_now(ticket.tenant, ticket.tokens, now)
             self.pending += 1
             self._admitted(ticket, state, now, "direct")
@@ -178,15 +182,31 @@ class FlowControl(Plugin):
                               code="queue_full", headers=self._retry_after())
         return self._wait(waiter, ticket, state)
 
-    def _fits(self, eps: Sequence[Endpoint], tenant: str, band: str, now: float) -> bool:
-        """A free slot for ``tenant``'s request of ``band`` now: any free slot for a tenant
-        under its fair share (batch and background: never a reserved one), one past an
-        engine's reserve otherwise."""
+    def _fits(self, eps: Sequence[Endpoint], ticket: Ticket, now: float) -> bool:
+        """A free slot for ``ticket``'s request now: any free slot for a tenant under its fair
+        share (batch and background: never a reserved one), one past an engine's reserve
+        otherwise, and then (pacing on) on an engine not paced. Marks the ticket paced."""
         free, opened, capacity = self._headroom(eps, now)
         if free <= 0:
             return False
-        return opened > 0 or (
-            band not in UNRESERVED_BANDS and not self.queue.over_share(tenant, capacity, now))
+        over = self.queue.over_share(ticket.tenant, capacity, now)
+        if not over:
+            return opened > 0 or ticket.band not in UNRESERVED_BANDS
+        left = self._pace_left(eps, now)
+        if opened <= 0 or (left is not None and left <= 0):
+            return False
+        self._mark_paced(ticket, left is not None)
+        return True
+
+    def _pace_left(self, eps: Sequence[Endpoint], now: float) -> int | None:
+        """Over-share requests that may be admitted now (None: pacing off)."""
+        unpaced = self.saturation.unpaced_open(eps, now)
+        return None if unpaced is None else unpaced - self.pending_paced
+
+    def _mark_paced(self, ticket: Ticket, paced: bool) -> None:
+        if paced and not ticket.paced:
+            ticket.paced = True
+            self.pending_paced += 1
 
     async def _wait(self, waiter: Waiter, ticket: Ticket, state: CycleState) -> None:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -200,13 +220,19 @@ class FlowControl(Plugin):
                 self.metrics.gone.labels(ticket.band).inc()
                 add_log_field(state, "flow_shed", "client_gone")
             elif waiter.state == "admitted":
+                ticket.paced = self._paced_waiter(waiter)
                 self._admitted(ticket, state, time.monotonic(), "queued")
             raise
         err = self._errors.pop(waiter.seq, None)
         if err is not None:
             self._shed(ticket, state, err.code or "shed")
             raise err
+        ticket.paced = self._paced_waiter(waiter)
         self._admitted(ticket, state, time.monotonic(), "queued")
+
+    def _paced_waiter(self, waiter: Waiter) -> bool:
+        """Whether an admitted waiter paces its engine (the pump counted it pending)."""
+        return waiter.over_share and self.p.over_share_pace_s > 0
 
     def _admitted(self, ticket: Ticket, state: CycleState, now: float, path: str) -> None:
         if ticket.admitted:
@@ -285,12 +311,16 @@ class FlowControl(Plugin):
             self._refuse(w, now)
         if self.queue.is_empty():
             return
-        free, opened, capacity = self._headroom(self._fleet(), now)
-        for w in self.queue.pump(free, opened, capacity, now):
+        fleet = self._fleet()
+        free, opened, capacity = self._headroom(fleet, now)
+        left = self._pace_left(fleet, now)
+        for w in self.queue.pump(free, opened, capacity, now,
+                                 None if left is None else max(0, left)):
             future = self._futures.pop(w.seq, None)
             if future is not None and not future.done():
                 future.set_result(None)
             self.pending += 1  # counted now: the waiter's task resumes later
+            self.pending_paced += self._paced_waiter(w)
 
     def _refuse(self, w: Waiter, now: float) -> None:
         band = self.p.bands[w.band]
@@ -335,12 +365,15 @@ class FlowControl(Plugin):
             return eps
         now = time.monotonic()
         opened = self.saturation.unsaturated(eps, now, past_reserve=True)
-        if len(opened) == len(eps):  # a slot past the reserve everywhere: nothing to keep out
-            return eps
         ticket = state.get(self._ticket)
-        over = ((ticket is not None and ticket.band in UNRESERVED_BANDS)
-                or self.queue.over_share(req.tenant or ANONYMOUS, self._seen_capacity, now,
-                                         excluding=1))
+        paced = ticket is not None and ticket.paced and not ticket.dispatched
+        if len(opened) == len(eps) and not paced:  # nothing to keep out
+            return eps
+        over = paced or (ticket is not None and ticket.band in UNRESERVED_BANDS) \
+            or self.queue.over_share(req.tenant or ANONYMOUS, self._seen_capacity, now,
+                                     excluding=1)
+        if paced:  # and one over its share enters an engine not paced, if one is open
+            opened = [ep for ep in opened if not self.saturation.paced(ep, now)] or opened
         # a request over its share leaves each engine's reserve to light tenants' turns
         free = set(map(id, opened)) if over and opened else set(
             map(id, self.saturation.unsaturated(eps, now)))
@@ -363,6 +396,9 @@ class FlowControl(Plugin):
         if ticket is not None and ticket.admitted and not ticket.dispatched:
             ticket.dispatched = True
             self.pending -= 1
+            if ticket.paced:
+                self.pending_paced -= 1
+                self.saturation.pace(decision.target.id, time.monotonic())
 
     async def on_usage(self, req: InferenceRequest, state: CycleState, target: Endpoint,
                        usage: Usage) -> None:
@@ -391,6 +427,7 @@ class FlowControl(Plugin):
         ticket.admitted = False
         if not ticket.dispatched:
             self.pending -= 1
+            self.pending_paced -= ticket.paced
         self.queue.release(ticket.tenant, time.monotonic())
         if not self.queue.is_empty():
             self._pump()

@@ -39,6 +39,8 @@ class Waiter:
     enqueued_at: float
     rank: float = 0.0
     state: str = "queued"
+    #: Admitted while its tenant held its fair share or more (paced: ``over_share_pace_s``).
+    over_share: bool = False
 
 
 @dataclass(slots=True)
@@ -150,22 +152,27 @@ class FlowQueue:
         return out
 
     # -- choice --------------------------------------------------------------------------
-    def pump(self, free: int, opened: int, capacity: int, now: float) -> list[Waiter]:
+    def pump(self, free: int, opened: int, capacity: int, now: float,
+             paced: int | None = None) -> list[Waiter]:
         """Admit waiters while ``free`` slots last; past ``opened`` (the free slots beyond the
-        engines' reserves) only tenants under their fair share of ``capacity``; returns them in
-        admission order (state ``admitted``)."""
+        engines' reserves) only tenants under their fair share of ``capacity``, and tenants over
+        it only ``paced`` at most (None: no bound; the engines not paced now); returns them in
+        admission order (state ``admitted``; ``over_share`` set on those over their share)."""
         out: list[Waiter] = []
         if free <= 0 or self.is_empty():
             return out
         shares = self._shares(capacity, now)
         while free > 0:
-            w = self._next(opened <= 0, shares)
+            w = self._next(opened <= 0, shares, paced is None or paced > 0)
             if w is None:
                 break
+            w.over_share = self.in_flight.get(w.tenant, 0) >= shares.get(w.tenant, 0.0)
             self._take(w, now)
             out.append(w)
             free -= 1
             opened -= 1
+            if w.over_share and paced is not None:
+                paced -= 1
         return out
 
     def over_share(self, tenant: str, capacity: int, now: float, excluding: int = 0) -> bool:
@@ -184,13 +191,15 @@ class FlowQueue:
         total = sum(self.fair.weight(t) for t in active) or 1.0
         return {t: capacity * self.fair.weight(t) / total for t in active}
 
-    def _next(self, reserve_zone: bool, shares: dict[str, float]) -> Waiter | None:
+    def _next(self, reserve_zone: bool, shares: dict[str, float],
+              over_share_ok: bool = True) -> Waiter | None:
         for band in BANDS:
             b = self._bands[band]
             if not b.count or (reserve_zone and band in UNRESERVED_BANDS):
                 continue
             for tenant in sorted(b.live, key=self.fair.counter):
-                if reserve_zone and self.in_flight.get(tenant, 0) >= shares.get(tenant, 0.0):
+                if (reserve_zone or not over_share_ok) and \
+                        self.in_flight.get(tenant, 0) >= shares.get(tenant, 0.0):
                     continue
                 return self._head(b, tenant)
         return None

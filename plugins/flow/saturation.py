@@ -63,6 +63,8 @@ class _Learned:
     #: The engine answers its metrics scrape without ``running`` / ``waiting`` counts (a
     #: third-party server, an engine of unknown kind): nothing to learn a limit from.
     blind: bool = False
+    #: When a request of a tenant over its fair share was last sent here (``over_share_pace_s``).
+    paced_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +155,28 @@ class Saturation:
         if prefill is None:
             return serving, opened, capacity
         return min(serving, prefill), min(opened, prefill_open), capacity
+
+    def pace(self, engine: str, now: float) -> None:
+        """A request of a tenant over its fair share was sent to ``engine`` now: the next one
+        enters it ``over_share_pace_s`` later at the earliest (an unknown engine: ignored)."""
+        learned = self._learned.get(engine)
+        if learned is not None:
+            learned.paced_at = now
+
+    def paced(self, ep: Endpoint, now: float) -> bool:
+        """Whether ``ep`` took an over-share request less than ``over_share_pace_s`` ago."""
+        learned = self._learned.get(ep.id)
+        at = None if learned is None else learned.paced_at
+        return at is not None and now - at < self.p.over_share_pace_s
+
+    def unpaced_open(self, eps: Sequence[Endpoint], now: float) -> int | None:
+        """Serving engines with a free slot past their reserve that an over-share request may
+        enter now (not paced): how many such requests may be admitted at once (None: pacing
+        is off)."""
+        if self.p.over_share_pace_s <= 0:
+            return None
+        return sum(1 for ep in self.unsaturated(eps, now, past_reserve=True)
+                   if ep.role is not Role.PREFILL and not self.paced(ep, now))
 
     def reserve(self, limit: int) -> int:
         """An engine's slots kept for tenants under their fair share (``reserve_fraction`` of

@@ -97,8 +97,8 @@ def test_missing_usage_is_an_error() -> None:
 
 
 @pytest.mark.parametrize(("sessions", "parent", "expected"), [
-    (True, None, {"x-session-affinity": "a"}),
-    (True, "p", {"x-session-affinity": "a", "x-parent-session-id": "p"}),
+    (True, None, {"x-session-affinity": "a", "x-session-id": "a"}),
+    (True, "p", {"x-session-affinity": "a", "x-session-id": "a", "x-parent-session-id": "p"}),
     (False, "p", {}),
 ])
 def test_session_headers(sessions: bool, parent: str | None, expected: dict[str, str]) -> None:

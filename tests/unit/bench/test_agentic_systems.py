@@ -10,6 +10,7 @@ from bench.agentic_systems import (
     PIN_LOAD_FACTOR,
     SYSTEMS,
     Fleet,
+    argv_for,
     config,
     counter_deltas,
     serve_argv,
@@ -35,7 +36,7 @@ def test_precise_names_each_engines_events_in_engine_order_and_the_tokenizer() -
     assert argv[argv.index("--tokenizer") + 1] == "/models/tiny"
 
 
-@pytest.mark.parametrize("name", ["random", "session-pin"])
+@pytest.mark.parametrize("name", ["random", "session-pin", "least-loaded"])
 def test_config_systems_build_a_pipeline(name: str) -> None:
     doc = config(name, FLEET, 9000)
     assert [e["name"] for e in doc["engines"]] == ["engine-0", "engine-1"]
@@ -45,6 +46,25 @@ def test_config_systems_build_a_pipeline(name: str) -> None:
 def test_random_has_no_scorer_and_ties_go_to_the_seeded_picker() -> None:
     refs = [r["ref"] for r in config("random", FLEET, 9000)["profiles"][0]["plugins"]]
     assert refs == ["health-filter", "model-filter", "max-score-picker"]
+
+
+def test_least_loaded_scores_requests_in_flight_only() -> None:
+    refs = [r["ref"] for r in config("least-loaded", FLEET, 9000)["profiles"][0]["plugins"]]
+    assert refs == ["health-filter", "model-filter", "least-in-flight-scorer", "max-score-picker"]
+
+
+@pytest.mark.parametrize(("name", "policy", "modes"), [
+    ("vllm-router-cache_aware", "cache_aware", ("no-headers",)),
+    ("vllm-router-consistent_hash", "consistent_hash", ("headers",)),
+])
+def test_vllm_router_systems_pass_their_policy(tmp_path: Path, name: str, policy: str,
+                                                modes: tuple[str, ...],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("bench.venvs.ensure", lambda *a, **k: tmp_path)
+    argv = argv_for(SYSTEMS[name], FLEET, 9000, tmp_path, tmp_path)
+    assert argv[argv.index("--policy") + 1] == policy
+    assert argv[argv.index("--worker-urls") + 1:argv.index("--policy")] == list(FLEET.urls)
+    assert SYSTEMS[name].modes == modes
 
 
 def test_session_pin_never_reaches_its_load_bound() -> None:

@@ -134,6 +134,28 @@ def test_reserve_goes_to_tenants_under_their_share() -> None:
     assert q.pump(1, 0, 16, 0.9) == [] and q.pump(1, 1, 16, 1.0) == [batch]
 
 
+def _queued(q: FlowQueue, tenant: str, at: float) -> Waiter:
+    w = q.enqueue("standard", tenant, None, 10, at)
+    assert w is not None
+    return w
+
+
+def test_pacing_bounds_the_over_share_admissions_of_one_pump() -> None:
+    """``paced``: at most that many waiters of tenants over their share leave in one pump
+    (one per engine not paced); tenants under their share are not counted nor held."""
+    q = _queue()
+    for _ in range(10):
+        q.admit_now("A", 10, 0.0)
+    q.admit_now("B", 10, 0.0)  # shares 8 / 8: A is over
+    a = [_queued(q, "A", 0.1 + i / 100) for i in range(3)]
+    b = [_queued(q, "B", 0.2 + i / 100) for i in range(2)]
+    got = q.pump(8, 8, 16, 0.5, paced=1)
+    assert sorted(map(id, got)) == sorted(map(id, [a[0], *b]))
+    assert [w.over_share for w in (a[0], *b)] == [True, False, False]
+    assert q.pump(8, 8, 16, 0.6, paced=0) == []
+    assert len(q.pump(8, 8, 16, 0.7)) == 2  # no pacing: the rest go
+
+
 def test_a_lone_tenant_uses_the_whole_fleet() -> None:
     q = _queue(reserve_fraction=0.5)
     for i in range(16):

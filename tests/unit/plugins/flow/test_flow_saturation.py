@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -13,8 +14,10 @@ from kvgate.middleware.framework.types import (
     EngineMetrics,
     InferenceRequest,
     Role,
+    RoutingDecision,
 )
 from kvgate.plugins.flow.params import FlowParams
+from kvgate.plugins.flow.plugin import Ticket
 from kvgate.plugins.flow.saturation import Saturation
 
 
@@ -186,10 +189,50 @@ def test_a_tenant_over_its_share_leaves_each_engine_reserve() -> None:
     assert [ep.id for ep in flow.filter(_req("A"), CycleState(), eps)] == ["e1"]
     assert [ep.id for ep in flow.filter(_req("B"), CycleState(), eps)] == ["e0", "e1"]
     full = [_ep("e0", in_flight=14), _ep("e1", in_flight=14)]
-    assert not flow._fits(full, "A", "standard", time.monotonic())
-    assert flow._fits(full, "B", "interactive", time.monotonic())
-    assert not flow._fits(full, "B", "batch", time.monotonic())  # batch: never the reserve
-    assert flow._fits(eps, "A", "standard", time.monotonic())
+    assert not flow._fits(full, _ticket("A"), time.monotonic())
+    assert flow._fits(full, _ticket("B", "interactive"), time.monotonic())
+    assert not flow._fits(full, _ticket("B", "batch"), time.monotonic())  # never the reserve
+    assert flow._fits(eps, _ticket("A"), time.monotonic())
+    assert flow.pending_paced == 0  # no pacing by default
+
+
+def _ticket(tenant: str, band: str = "standard") -> Ticket:
+    return Ticket(band, tenant, None, 10, 0.0, admitted=True)
+
+
+def test_a_tenant_over_its_share_enters_each_engine_once_per_pace_interval() -> None:
+    """Pacing (over_share_pace_s): two 16-slot engines with slots open past their reserves; A
+    holds more than its share. Two of A's requests may be admitted at once (one per engine
+    not paced), a third waits; each paces the engine it is sent to, and the filter sends the
+    next one to an engine not paced; B (under its share) is never paced; the interval ends."""
+    from kvgate.plugins.flow.plugin import FlowControl
+
+    class _NoLookup:
+        def lookup(self, name: str) -> object:
+            raise KeyError(name)
+
+    params = FlowParams(max_in_flight_per_engine=16, learn=False, over_share_pace_s=5.0)
+    flow = FlowControl("flow-control", params, _NoLookup())
+    for _ in range(20):
+        flow.queue.admit_now("A", 10, 0.0)
+    flow.queue.admit_now("B", 10, 0.0)
+    eps = [_ep("e0", in_flight=10), _ep("e1", in_flight=11)]
+    flow._last_eps = eps
+    now = time.monotonic()
+    flow.saturation.headroom(eps, now)  # the engines are known
+    first, second, third = _ticket("A"), _ticket("A"), _ticket("A")
+    assert flow._fits(eps, first, now) and flow._fits(eps, second, now)
+    assert not flow._fits(eps, third, now) and flow.pending_paced == 2
+    assert flow._fits(eps, _ticket("B"), now)
+    state = CycleState()
+    state.put(flow._ticket, first)
+    asyncio.run(flow.before_dispatch(_req("A"), state, RoutingDecision(target=eps[0])))
+    assert flow.pending_paced == 1 and flow.saturation.paced(eps[0], time.monotonic())
+    state = CycleState()
+    state.put(flow._ticket, second)
+    assert [ep.id for ep in flow.filter(_req("A"), state, eps)] == ["e1"]
+    assert not flow._fits(eps, _ticket("A"), time.monotonic())  # e1 is promised to `second`
+    assert not flow.saturation.paced(eps[0], time.monotonic() + 6)
 
 
 def test_an_engine_without_queue_metrics_is_not_held_at_the_slow_start(
