@@ -332,6 +332,35 @@ def table(cells: Sequence[Cell], modes: Sequence[str]) -> str:
     return "\n".join(out)
 
 
+def common_shares(cells: Sequence[Cell]) -> dict[tuple[str, int], float]:
+    """(system, workload) -> cached tokens over the workload's *largest* ideal among the
+    systems of the run. Each run's own ideal counts only the requests that completed before a
+    request was sent, so it depends on the system's own speed (a faster system's requests
+    overlap less: a larger ideal, a smaller share for the same cached tokens: up to 3 % apart
+    between systems here); every system sent the same prompts, so one denominator per workload
+    compares what they cached, not how fast they ran."""
+    top: dict[int, int] = {}
+    for c in cells:
+        top[c.workload] = max(top.get(c.workload, 0), c.summary.ideal_tokens)
+    return {(c.system, c.workload): c.summary.cached_tokens / top[c.workload]
+            for c in cells if top[c.workload] > 0}
+
+
+def common_table(cells: Sequence[Cell], modes: Sequence[str]) -> str:
+    """As :func:`table`, the share over the workload's largest ideal (:func:`common_shares`)."""
+    shares = common_shares(cells)
+    count = 1 + max((c.workload for c in cells), default=-1)
+    out = ["| system | " + " | ".join(f"w{k} {modes[k % len(modes)]}" for k in range(count))
+           + " | worst from w1 |", "|---|" + "---|" * (count + 1)]
+    for system in dict.fromkeys(c.system for c in cells):
+        row = [shares.get((system, k)) for k in range(count)]
+        later = [v for v in row[1:] if v is not None]
+        low = f"{min(later):.3f}" if later else "-"
+        out.append(f"| {system} | " + " | ".join("" if v is None else f"{v:.3f}" for v in row)
+                   + f" | {low} |")
+    return "\n".join(out)
+
+
 def _cell(cell: Cell | None) -> str:
     if cell is None:
         return ""
@@ -365,7 +394,8 @@ def run_steady(args: argparse.Namespace, fleet: Fleet, doc: dict[str, Any], out:
             doc["runs"] += [cell_doc(c, compact) for c in got]
             path.write_text(json.dumps(doc, indent=1))
         print(f"\nsteady state, level {level} (share of ideal / busiest engine's share of "
-              f"requests):\n{table(mine, modes)}", flush=True)
+              f"requests):\n{table(mine, modes)}\n\ncached tokens over the workload's largest "
+              f"ideal among the systems:\n{common_table(mine, modes)}", flush=True)
         cells += mine
     print(f"wrote {path}", flush=True)
     return cells

@@ -4,6 +4,7 @@ index, the busiest engine, the access log's kinds and the report."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,8 @@ from bench.kv_steady import (
     LogCursor,
     PinRunner,
     busiest,
+    common_shares,
+    common_table,
     log_kinds,
     mode_for,
     sequence,
@@ -110,6 +113,24 @@ def test_worst_is_from_the_second_workload_on_and_the_table_shows_it() -> None:
     text = table(cells, ("headers", "no-headers"))
     assert text.splitlines()[0].startswith("| system | w0 headers | w1 no-headers | w2 headers")
     assert text.splitlines()[2].endswith("| - / 70% |")
+
+
+@pytest.mark.parametrize(("ideals", "cached", "expected"), [
+    # the slower system's own ideal is smaller: the same cached tokens, one denominator
+    ((1000, 1030), (900, 900), (0.874, 0.874)),
+    ((1000, 1000), (950, 900), (0.95, 0.9)),
+])
+def test_common_shares_divide_by_the_workloads_largest_ideal(
+        ideals: tuple[int, int], cached: tuple[int, int], expected: tuple[float, float]) -> None:
+    cells = []
+    for system, ideal, got in zip(("a", "b"), ideals, cached, strict=True):
+        base = _cell(system, 1, got, 0.5)
+        cells.append(replace(base, summary=replace(base.summary, ideal_tokens=ideal,
+                                                   cached_tokens=got)))
+    shares = common_shares(cells)
+    assert [round(shares[(c.system, 1)], 3) for c in cells] == list(expected)
+    text = common_table(cells, ("headers",))
+    assert text.splitlines()[2] == f"| a |  | {expected[0]:.3f} | {expected[0]:.3f} |"
 
 
 def test_kv_pressure_steady_flag_defaults() -> None:
