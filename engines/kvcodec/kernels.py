@@ -138,7 +138,8 @@ def _lengths_kernel(weights_ptr: tl.tensor, present_ptr: tl.tensor, nodes_ptr: t
     li = 256 - m
     ni = tl.zeros([lanes], tl.int32)
     big = tl.full([lanes], 2147483647, tl.int32)
-    for k in range(255):
+    steps = tl.max(m, axis=0) - 1  # merges of the program's fullest block (real K/V: ~15)
+    for k in range(0, steps):
         live = ok & (k < m - 1)
         total = tl.zeros([lanes], tl.int32)
         for _ in tl.static_range(2):
@@ -154,8 +155,8 @@ def _lengths_kernel(weights_ptr: tl.tensor, present_ptr: tl.tensor, nodes_ptr: t
             ni = ni + (live & (lw > nw)).to(tl.int32)
         tl.store(nodes_ptr + row + k, total, mask=live)
     tl.store(depth_ptr + row + m - 2, ni * 0, mask=ok & (m >= 2))  # the root
-    for t in range(254):
-        k = 253 - t
+    for t in range(0, steps - 1):
+        k = steps - 2 - t
         live = ok & (k <= m - 3)
         parent = tl.load(node_parent_ptr + row + k, mask=live, other=0)
         d = tl.load(depth_ptr + row + parent, mask=live, other=0)

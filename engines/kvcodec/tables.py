@@ -6,8 +6,9 @@ Python). Same code lengths as :mod:`kvgate.engines.kvcodec.huffman` (the host or
   taken before a node of equal weight). This is exactly the order in which ``huffman.py``'s
   heap of ``(weight, tie, ...)`` items pops (a leaf's tie is its symbol, < 256; a node's tie is
   256 + its creation index, and nodes are created in non-decreasing weight), so the trees and
-  the lengths are the same. The loop runs 255 merge steps over all blocks together (tensors of
-  shape (B,)); masked writes go to a spare column instead of branching.
+  the lengths are the same. The loop runs the fullest block's merge steps (present symbols - 1:
+  about 15 for real K/V, 255 at most) over all blocks together (tensors of shape (B,)); masked
+  writes go to a spare column instead of branching.
 * :func:`limited_lengths`: the length limit as ``huffman.py`` does it: blocks whose longest code
   exceeds ``max_len`` get their counts halved (rounding up) and are rebuilt, until all fit.
   One host synchronisation per round (real K/V needs one round); ``build`` is the plain
@@ -53,7 +54,8 @@ def huffman_lengths(counts: Tensor) -> Tensor:
     node_parent = torch.zeros((b, SYMBOLS), dtype=torch.int64, device=dev)  # 255: spare
     li = SYMBOLS - m  # next leaf (sorted position); absent symbols sort first (count 0)
     ni = torch.zeros_like(m)  # next unmerged node
-    for k in range(SYMBOLS - 1):
+    steps = int(m.max()) - 1 if b else 0  # merges of the fullest block (real K/V: ~15)
+    for k in range(steps):
         live = k < m - 1
         total = torch.zeros_like(m)
         for _ in range(2):
@@ -67,7 +69,7 @@ def huffman_lengths(counts: Tensor) -> Tensor:
             ni = ni + (live & ~leaf).to(ni.dtype)
         nodes[rows, torch.where(live, k, SYMBOLS - 1)] = total
     depth = torch.zeros((b, SYMBOLS), dtype=torch.int64, device=dev)  # the root (m - 2) is 0
-    for k in range(SYMBOLS - 3, -1, -1):
+    for k in range(steps - 2, -1, -1):
         live = k <= m - 3
         depth[:, k] = torch.where(live, depth[rows, node_parent[:, k]] + 1, depth[:, k])
     return lengths_from_tree(order, m, leaf_parent[:, :SYMBOLS], depth)
