@@ -23,7 +23,11 @@ from triton.compiler import ASTSource
 
 from kvgate.engines.kvcodec import kernels
 
-#: (kernel, argument types in order, constexpr values): what kernels.py's launchers pass.
+#: The chunk the kernels are compiled for: the codec's default (``codec.Params``).
+CHUNK = 128
+
+#: (kernel, argument types in order, constexpr values): what kernels.py's launchers pass
+#: (checked against ``kernels.LAUNCHES`` by tests/unit/engines/test_kvcodec_device.py).
 SIGNATURES: dict[str, tuple[Any, dict[str, str], dict[str, int]]] = {
     "split": (kernels._split_kernel,
               {"words_ptr": "*i16", "sm_ptr": "*u8", "exp_ptr": "*u8", "total": "i32",
@@ -35,12 +39,22 @@ SIGNATURES: dict[str, tuple[Any, dict[str, str], dict[str, int]]] = {
                {"exp_ptr": "*u8", "codes_ptr": "*i32", "lens_ptr": "*i32", "out_ptr": "*u8",
                 "nbytes_ptr": "*i32", "n": "i32", "n_chunks": "i32", "n_lanes": "i32",
                 "cap": "i32", "chunk": "constexpr", "lanes": "constexpr"},
-               {"chunk": 512, "lanes": kernels.LANES}),
+               {"chunk": CHUNK, "lanes": kernels.LANES}),
     "decode": (kernels._decode_kernel,
                {"stream_ptr": "*u8", "starts_ptr": "*i64", "luts_ptr": "*i32", "out_ptr": "*u8",
                 "n": "i32", "n_chunks": "i32", "n_lanes": "i32", "chunk": "constexpr",
                 "max_len": "constexpr", "lanes": "constexpr"},
-               {"chunk": 512, "max_len": 12, "lanes": kernels.LANES}),
+               {"chunk": CHUNK, "max_len": 12, "lanes": kernels.LANES}),
+    "decode_multi": (kernels._decode_multi_kernel,
+                     {"stream_ptr": "*u8", "starts_ptr": "*i64", "luts_ptr": "*i32",
+                      "out_ptr": "*u8", "n": "i32", "n_chunks": "i32", "n_lanes": "i32",
+                      "chunk": "constexpr", "max_len": "constexpr", "lanes": "constexpr"},
+                     {"chunk": CHUNK, "max_len": 12, "lanes": kernels.LANES}),
+    "lengths": (kernels._lengths_kernel,
+                {"weights_ptr": "*i32", "present_ptr": "*i32", "nodes_ptr": "*i32",
+                 "leaf_parent_ptr": "*i32", "node_parent_ptr": "*i32", "depth_ptr": "*i32",
+                 "n_blocks": "i32", "lanes": "constexpr"},
+                {"lanes": kernels.TABLE_LANES}),
 }
 
 
@@ -61,8 +75,9 @@ def compile_one(name: str, arch: int) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvgate.engines.kvcodec.aot")
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10")
+    ap.add_argument("--kernels", default=",".join(SIGNATURES), help="comma-separated subset")
     args = ap.parse_args(argv)
-    report = {name: compile_one(name, args.arch) for name in SIGNATURES}
+    report = {name: compile_one(name, args.arch) for name in args.kernels.split(",")}
     print(json.dumps({"arch": f"sm_{args.arch}", "kernels": report}))
     return 0
 

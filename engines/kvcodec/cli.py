@@ -20,7 +20,7 @@ from pathlib import Path
 from kvgate.engines.kvcodec.venv import engine_env, engine_side_path, ensure_codec_env
 
 BENCH_OPTIONS = ("block_tokens", "chunk", "max_len", "windows", "triton_blocks", "repeats")
-SPEED_OPTIONS = ("source", "values", "block_values", "windows", "repeats")
+SPEED_OPTIONS = ("source", "values", "block_values", "windows", "repeats", "backend")
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -40,6 +40,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     b.add_argument("--source", choices=("real", "synthetic"), help="--speed: K/V source")
     b.add_argument("--values", type=int, help="--speed: values used (0: all)")
     b.add_argument("--block-values", help="--speed: comma-separated block sizes in values")
+    b.add_argument("--backend", choices=("auto", "torch", "triton"),
+                   help="--speed: auto (Triton on CUDA, torch reference on CPU), or force one "
+                        "(triton without a GPU runs the interpreter: a path check, not a speed)")
     b.set_defaults(func=_bench)
 
 

@@ -1,22 +1,25 @@
 """Encode and decode a batch of equal-sized BF16 blocks with either backend.
 
-The device steps (split, chunk encode, chunk decode, merge) come from a :class:`Backend`: the
-torch reference (:mod:`kvgate.engines.kvcodec.reference`) or the Triton kernels
-(:mod:`kvgate.engines.kvcodec.kernels`). The rest is shared, so both backends write the same bytes:
-the per-block histogram (``torch.bincount``), the Huffman tables (host, 256 counts per block),
-the decode lookup tables (``torch.searchsorted`` on the device), packing the chunks into
-blocks and choosing raw storage when coding does not pay.
+The device steps come from a :class:`Backend`: the torch reference
+(:mod:`kvgate.engines.kvcodec.reference`) or the Triton kernels
+(:mod:`kvgate.engines.kvcodec.kernels`): split, code lengths, chunk encode, chunk decode, merge.
+The rest is shared and runs on the blocks' device too, for all blocks at once: the histograms
+(``torch.bincount``), the canonical codes (:func:`kvgate.engines.kvcodec.tables.canonical_codes`),
+the raw-or-coded choice and the packing of every block's bytes into one device buffer
+(:func:`encode_device`); :func:`encode_blocks` copies that buffer to the host once and cuts it
+into blobs. Both backends write the same bytes, and the same bytes as the host oracle
+(``huffman.py`` + ``container.pack_coded``), which the tests check.
 
-Parameters: ``chunk`` exponents per independently decodable chunk (default 512: one GPU lane
-each; the chunk's u32 end offset costs 32 / 512 = 0.06 bit per value, byte alignment about
-4 bits per chunk more); ``max_len`` the longest code (default 12: a 4096-entry lookup table
-of int32, 16 KiB, fits a GPU's L1/shared memory; real KV exponents need about 2.7 bits on
-average, so the limit only touches very rare exponents).
+Parameters: ``chunk`` exponents per independently decodable chunk (default 128: one GPU lane
+each; KVC2's u8 chunk size costs 8 / 128 = 0.06 bit per value, byte alignment about 4 bits
+per chunk more); ``max_len`` the longest code (default 12: a 4096-entry lookup table of
+int32, 16 KiB, fits a GPU's L1/shared memory; real KV exponents need about 2.7 bits on
+average, so the limit only touches very rare exponents); ``version`` the container written
+(2: u8 chunk sizes; 1: KVC1's u32 chunk ends, still decoded).
 """
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,6 +28,8 @@ from torch import Tensor
 
 from kvgate.engines.kvcodec import container
 from kvgate.engines.kvcodec.huffman import canonical_codes, code_lengths
+from kvgate.engines.kvcodec.tables import canonical_codes as device_codes
+from kvgate.engines.kvcodec.tables import single_luts
 
 #: Zero bytes after the concatenated streams: a lane's 3-byte peek never reads past the end.
 STREAM_PAD = 4
@@ -32,11 +37,14 @@ STREAM_PAD = 4
 
 @dataclass(frozen=True)
 class Params:
-    chunk: int = 512
+    chunk: int = 128
     max_len: int = 12
+    version: int = container.VERSION
 
     def __post_init__(self) -> None:
-        if not 1 <= self.chunk <= 65535 or not 8 <= self.max_len <= container.MAX_CODE_LEN:
+        if (not 1 <= self.chunk <= 65535 or not 8 <= self.max_len <= container.MAX_CODE_LEN
+                or self.version not in container.MAGICS
+                or not container.chunk_fits(self.version, self.chunk, self.max_len)):
             raise ValueError(f"bad codec parameters {self}")
 
 
@@ -45,11 +53,13 @@ class Backend(Protocol):
 
     def merge(self, sm: Tensor, exp: Tensor) -> Tensor: ...
 
+    def code_lengths(self, hist: Tensor, max_len: int) -> Tensor: ...
+
     def encode_chunks(self, exp: Tensor, codes: Tensor, lengths: Tensor, chunk: int,
                       max_len: int) -> tuple[Tensor, Tensor]: ...
 
-    def decode_chunks(self, stream: Tensor, starts: Tensor, luts: Tensor, n: int, chunk: int,
-                      max_len: int) -> Tensor: ...
+    def decode_chunks(self, stream: Tensor, starts: Tensor, lengths: Tensor, codes: Tensor,
+                      n: int, chunk: int, max_len: int) -> Tensor: ...
 
 
 def backend(name: str) -> Backend:
@@ -72,57 +82,114 @@ def histogram(exp: Tensor) -> Tensor:
 
 
 def tables(hist: Tensor, max_len: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Per block: code lengths and canonical codes (host)."""
+    """Per block: code lengths and canonical codes on the host (``huffman.py``: the oracle the
+    device tables are tested against; the codec itself builds them on the device)."""
     lengths = [code_lengths(row, max_len) for row in hist.cpu().tolist()]
     return lengths, [canonical_codes(row) for row in lengths]
 
 
 def build_luts(lengths: Tensor, codes: Tensor, max_len: int) -> Tensor:
-    """(B, 2**max_len) int32 ``symbol | length << 8``: the entry of every ``max_len``-bit window.
+    """(B, 2**max_len) int32 ``symbol | length << 8`` (:func:`tables.single_luts`)."""
+    return single_luts(lengths, codes, max_len)
 
-    A window's symbol is the one whose left-justified code is the largest not above it.
-    """
-    size = 1 << max_len
+
+def _le_bytes(values: Tensor, width: int) -> Tensor:
+    """(..., width) uint8: the little-endian bytes of int64 ``values``."""
+    shifts = torch.arange(width, device=values.device) * 8
+    return ((values.unsqueeze(-1) >> shifts) & 0xFF).to(torch.uint8)
+
+
+def _put(out: Tensor, dest: Tensor, values: Tensor, keep: Tensor) -> None:
+    """``out[dest] = values`` where ``keep``; elsewhere into ``out``'s last (spare) byte."""
+    spare = out.numel() - 1
+    where = torch.where(keep, dest, spare).reshape(-1)
+    out.index_put_((where,), values.reshape(-1).to(torch.uint8))
+
+
+@dataclass(frozen=True)
+class EncodedBatch:
+    """Every block's bytes in one device buffer: block ``i`` is
+    ``data[offsets[i]:offsets[i + 1]]`` (``data`` is longer than ``offsets[-1]``: its size is
+    the all-raw bound, so no host synchronisation is needed to allocate it)."""
+
+    data: Tensor
+    offsets: Tensor
+
+
+def encode_device(blocks: Tensor, params: Params, be: Backend) -> EncodedBatch:
+    """Encode a (B, N) BF16 tensor on its device: split, histograms, code lengths, canonical
+    codes, chunk encode, the raw-or-coded choice and the packing of every block's header,
+    table, chunk sizes, sign+mantissa bytes and stream (or raw words), all blocks at once.
+    The only host synchronisations are the length limit's rounds (one for real K/V)."""
+    if blocks.dtype != torch.bfloat16 or blocks.dim() != 2 or blocks.shape[1] == 0:
+        raise ValueError("encode_blocks wants a non-empty (blocks, values) bfloat16 tensor")
+    b, n = blocks.shape
+    if n >= 1 << 31:
+        raise ValueError("a block must hold fewer than 2**31 values")
+    dev, chunk, max_len, version = blocks.device, params.chunk, params.max_len, params.version
+    c = -(-n // chunk)
+    sm, exp = be.split(blocks.contiguous())
+    sm, exp = sm.view(b, n), exp.view(b, n)
+    lengths = be.code_lengths(histogram(exp), max_len).to(torch.int64)
+    codes = device_codes(lengths)
+    buf, nbytes = be.encode_chunks(exp, codes, lengths, chunk, max_len)
+    nbytes = nbytes.to(torch.int64)
+    sym = torch.arange(256, device=dev)
     present = lengths > 0
-    left = torch.where(present, codes << (max_len - lengths).clamp(min=0), size)
-    order = torch.argsort(left, dim=1, stable=True)
-    windows = torch.arange(size, device=lengths.device).expand(lengths.shape[0], size)
-    at = torch.searchsorted(torch.gather(left, 1, order), windows.contiguous(), right=True) - 1
-    symbol = torch.gather(order, 1, at.clamp(min=0))
-    return (symbol | (torch.gather(lengths, 1, symbol) << 8)).to(torch.int32)
-
-
-def _u32(values: list[int]) -> bytes:
-    return struct.pack(f"<{len(values)}I", *values)
+    lo = torch.where(present, sym, 256).min(dim=1).values
+    hi = torch.where(present, sym, -1).max(dim=1).values
+    tsize = (hi - lo + 2) // 2
+    ends = torch.cumsum(nbytes, dim=1)
+    field = container.sizes_bytes(version, c)
+    head = container.HEADER.size
+    coded_size = head + tsize + field + n + ends[:, -1]
+    raw = coded_size >= head + 2 * n
+    coded = ~raw
+    size = torch.where(raw, head + 2 * n, coded_size)
+    offsets = torch.zeros(b + 1, dtype=torch.int64, device=dev)
+    offsets[1:] = torch.cumsum(size, dim=0)
+    at = offsets[:-1].unsqueeze(1)
+    out = torch.zeros(b * (head + 2 * n) + 1, dtype=torch.uint8, device=dev)
+    # header: magic | mode | lo | hi | max_len | n u32 | chunk u16 | reserved u16
+    header = torch.zeros((b, head), dtype=torch.int64, device=dev)
+    header[:, :4] = torch.tensor(list(container.MAGICS[version]), device=dev)
+    header[:, 4] = raw.to(torch.int64) * container.MODE_RAW
+    header[:, 5] = torch.where(coded, lo, 0)
+    header[:, 6] = torch.where(coded, hi, 0)
+    header[:, 7] = torch.where(coded, max_len, 0)
+    header[:, 8:12] = _le_bytes(torch.tensor(n, device=dev), 4).to(torch.int64)
+    header[:, 12:14] = _le_bytes(torch.tensor(chunk, device=dev), 2).to(torch.int64)
+    every = torch.ones((b, head), dtype=torch.bool, device=dev)
+    _put(out, at + torch.arange(head, device=dev), header, every)
+    # raw blocks: the words as they were (little-endian)
+    words = blocks.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+    raw_bytes = _le_bytes(words, 2).view(b, 2 * n)
+    _put(out, at + head + torch.arange(2 * n, device=dev), raw_bytes, raw.unsqueeze(1))
+    # table: the code length of exponents lo..hi, two per byte, low nibble first
+    t = torch.arange(128, device=dev)
+    first, second = lo.unsqueeze(1) + 2 * t, lo.unsqueeze(1) + 2 * t + 1
+    nib0 = torch.gather(lengths, 1, first.clamp(max=255))
+    nib1 = torch.where(second <= hi.unsqueeze(1), torch.gather(lengths, 1, second.clamp(max=255)),
+                       0)
+    _put(out, at + head + t, nib0 | (nib1 << 4), coded.unsqueeze(1) & (t < tsize.unsqueeze(1)))
+    # chunk sizes: u8 byte counts (KVC2) or u32 end offsets (KVC1)
+    body = at + head + tsize.unsqueeze(1)
+    sizes = nbytes if version == 2 else _le_bytes(ends, 4).view(b, field)
+    _put(out, body + torch.arange(field, device=dev), sizes, coded.unsqueeze(1))
+    # sign+mantissa bytes, then each chunk's code bytes
+    _put(out, body + field + torch.arange(n, device=dev), sm, coded.unsqueeze(1))
+    j = torch.arange(buf.shape[2], device=dev)
+    stream_at = (body + field + n + ends - nbytes).unsqueeze(2) + j
+    _put(out, stream_at, buf, coded.view(b, 1, 1) & (j < nbytes.unsqueeze(2)))
+    return EncodedBatch(out, offsets)
 
 
 def encode_blocks(blocks: Tensor, params: Params, be: Backend) -> list[bytes]:
-    """One blob per row of a (B, N) BF16 tensor."""
-    if blocks.dtype != torch.bfloat16 or blocks.dim() != 2 or blocks.shape[1] == 0:
-        raise ValueError("encode_blocks wants a non-empty (blocks, values) bfloat16 tensor")
-    n, dev = blocks.shape[1], blocks.device
-    sm, exp = be.split(blocks.contiguous())
-    lengths, codes = tables(histogram(exp), params.max_len)
-    ln_t = torch.tensor(lengths, dtype=torch.int32, device=dev)
-    cd_t = torch.tensor(codes, dtype=torch.int32, device=dev)
-    buf, nbytes = be.encode_chunks(exp, cd_t, ln_t, params.chunk, params.max_len)
-    keep = torch.arange(buf.shape[2], device=dev) < nbytes.unsqueeze(2)
-    flat = buf[keep].cpu().numpy().tobytes()
-    ends = torch.cumsum(nbytes.to(torch.int64), dim=1).cpu().tolist()
-    sm_host = sm.cpu().numpy()
-    raw = blocks.contiguous().view(torch.int16).cpu().numpy()
-    out, at = [], 0
-    for i, row_ends in enumerate(ends):
-        total = row_ends[-1]
-        size = container.coded_size(n, params.chunk, lengths[i], total)
-        if size >= container.HEADER.size + 2 * n:
-            out.append(container.pack_raw(n, params.chunk, raw[i].tobytes()))
-        else:
-            out.append(container.pack_coded(n, params.chunk, params.max_len, lengths[i],
-                                            _u32(row_ends), sm_host[i].tobytes(),
-                                            flat[at:at + total]))
-        at += total
-    return out
+    """One blob per row of a (B, N) BF16 tensor (:func:`encode_device`, one copy to the host)."""
+    batch = encode_device(blocks, params, be)
+    offsets = batch.offsets.cpu().tolist()
+    data = batch.data[:offsets[-1]].cpu().numpy().tobytes()
+    return [data[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
 
 
 def _frombytes(data: bytes, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -136,33 +203,41 @@ class DecodeBatch:
 
     stream: Tensor
     starts: Tensor
-    luts: Tensor
+    lengths: Tensor
+    codes: Tensor
     sm: Tensor
     n: int
     chunk: int
     max_len: int
 
 
+def _ends(p: container.Block, device: torch.device) -> Tensor:
+    if p.version == 2:  # u8 chunk sizes
+        return torch.cumsum(_frombytes(p.ends, torch.uint8, device).to(torch.int64), 0)
+    return _frombytes(p.ends, torch.int32, device).to(torch.int64)
+
+
 def prepare_decode(parsed: list[container.Block], device: torch.device) -> DecodeBatch:
+    """The device inputs of coded blocks (host parsing done; KVC1 and KVC2 alike): the chunks'
+    start bytes, each block's code lengths and canonical codes (on the device)."""
     first = parsed[0]
     ln_t = torch.tensor([p.lengths for p in parsed], dtype=torch.int64, device=device)
-    cd_t = torch.tensor([canonical_codes(p.lengths) for p in parsed], dtype=torch.int64,
-                        device=device)
-    ends = torch.stack([_frombytes(p.ends, torch.int32, device) for p in parsed]).to(torch.int64)
+    cd_t = device_codes(ln_t)
+    ends = torch.stack([_ends(p, device) for p in parsed])
     block_at = torch.cumsum(ends[:, -1], 0) - ends[:, -1]
     starts = ends.roll(1, dims=1)
     starts[:, 0] = 0
     stream = _frombytes(b"".join(p.stream for p in parsed) + bytes(STREAM_PAD), torch.uint8,
                         device)
     sm = torch.stack([_frombytes(p.sm, torch.uint8, device) for p in parsed])
-    return DecodeBatch(stream, starts + block_at.unsqueeze(1),
-                       build_luts(ln_t, cd_t, first.max_len), sm, first.n_values, first.chunk,
-                       first.max_len)
+    return DecodeBatch(stream, starts + block_at.unsqueeze(1), ln_t, cd_t, sm, first.n_values,
+                       first.chunk, first.max_len)
 
 
 def run_decode(batch: DecodeBatch, be: Backend) -> Tensor:
-    exp = be.decode_chunks(batch.stream, batch.starts, batch.luts, batch.n, batch.chunk,
-                           batch.max_len)
+    """The device part of decoding: the backend's lookup tables, chunk decode, merge."""
+    exp = be.decode_chunks(batch.stream, batch.starts, batch.lengths, batch.codes, batch.n,
+                           batch.chunk, batch.max_len)
     return be.merge(batch.sm, exp)
 
 

@@ -9,13 +9,18 @@ with whole-tensor torch operations:
   are scattered to a zeroed bit buffer and the bits are packed eight to a byte.
 * :func:`decode_chunks`: one lane per chunk, all lanes advancing together: peek ``max_len``
   bits at the lane's bit position, look the window up in the block's table (symbol and code
-  length), advance by the length.
+  length, :func:`kvgate.engines.kvcodec.tables.single_luts`), advance by the length. One symbol
+  per lookup: the plain algorithm, the oracle of the kernels' multi-symbol one.
+* :func:`code_lengths`: the blocks' length-limited Huffman code lengths, all blocks at once
+  (:mod:`kvgate.engines.kvcodec.tables`; the same lengths as ``huffman.py``).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from kvgate.engines.kvcodec import tables
 
 
 def split(words: Tensor) -> tuple[Tensor, Tensor]:
@@ -62,13 +67,19 @@ def encode_chunks(exp: Tensor, codes: Tensor, lengths: Tensor, chunk: int,
     return packed.to(torch.uint8), nbytes.to(torch.int32)
 
 
-def decode_chunks(stream: Tensor, starts: Tensor, luts: Tensor, n: int, chunk: int,
-                  max_len: int) -> Tensor:
+def code_lengths(hist: Tensor, max_len: int) -> Tensor:
+    """(B, 256) int64 code lengths of (B, 256) exponent counts, none above ``max_len``."""
+    return tables.limited_lengths(hist, max_len)
+
+
+def decode_chunks(stream: Tensor, starts: Tensor, lengths: Tensor, codes: Tensor, n: int,
+                  chunk: int, max_len: int) -> Tensor:
     """(B, N) uint8 exponents from the flat stream (padded with >= 3 zero bytes).
 
-    ``starts``: (B, C) int64 byte offset of each chunk in ``stream``; ``luts``: (B, 2**max_len)
-    int32 entries ``symbol | length << 8``.
+    ``starts``: (B, C) int64 byte offset of each chunk in ``stream``; ``lengths`` / ``codes``:
+    (B, 256) each block's code lengths and canonical codes.
     """
+    luts = tables.single_luts(lengths, codes, max_len)
     b, c = starts.shape
     lane_block = torch.arange(b, device=stream.device).repeat_interleave(c)
     base = starts.reshape(-1)

@@ -38,6 +38,8 @@ def test_every_tensor_tried_round_trips_bit_exact(report: dict[str, Any]) -> Non
     assert report["triton"]["blocks"] == 12
     assert report["triton"]["bytes_equal_reference"] is True
     assert report["triton"]["bit_exact"] is True
+    tables = report["device_tables_equal_host"]  # every real block's device table == huffman.py
+    assert tables["blocks"] == 12 * 16 and tables["lengths"] is True and tables["codes"] is True
 
 
 @pytest.mark.parametrize("kind", ["K", "V"])
@@ -78,7 +80,8 @@ def test_kernels_compile_for_an_h100_without_one(report: dict[str, Any]) -> None
     for sm_90 must succeed for every kernel (kvgate.engines.kvcodec.aot)."""
     aot = report["triton_compile"]
     assert aot["arch"] == "sm_90"
-    assert set(aot["kernels"]) == {"split", "merge", "encode", "decode"}
+    assert set(aot["kernels"]) == {"split", "merge", "encode", "decode", "decode_multi",
+                                   "lengths"}
     for name, row in aot["kernels"].items():
         assert row["ok"] is True, (name, row.get("error"))
         assert row["ptx_bytes"] > 0 and row["cubin_bytes"] > 0, name

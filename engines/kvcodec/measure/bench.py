@@ -105,14 +105,19 @@ def _aot() -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from kvgate.engines.kvcodec.codec import Params, backend
+    from kvgate.engines.kvcodec import reference
+    from kvgate.engines.kvcodec.codec import Params, backend, histogram, tables
     from kvgate.engines.kvcodec.measure import realkv
     from kvgate.engines.kvcodec.measure.checks import check_case
     from kvgate.engines.kvcodec.measure.edgecases import cases
+    from kvgate.engines.kvcodec.tables import canonical_codes
 
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
-    params = Params(chunk=args.chunk, max_len=args.max_len)
+    from kvgate.engines.kvcodec import container
+
+    version = 2 if container.chunk_fits(2, args.chunk, args.max_len) else 1  # KVC1 past 170
+    params = Params(chunk=args.chunk, max_len=args.max_len, version=version)
     kv = realkv.capture(windows=args.windows)
     values = args.block_tokens * VALUES_PER_TOKEN
     per_tensor = {name: measure_tensor(x.reshape(-1, values), params) for name, x in kv.items()}
@@ -121,11 +126,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     backends = {"torch": backend("torch"), "triton": backend("triton")}
     edges = {name: check_case(x, Params(chunk=64, max_len=args.max_len), backends, device)
              for name, x in cases(0).items()}
+    all_hist = torch.cat([histogram(reference.split(x.reshape(-1, values))[1])
+                          for x in kv.values()])
+    host_lengths, host_codes = tables(all_hist, params.max_len)
+    dev_lengths = reference.code_lengths(all_hist, params.max_len)
     raw = sum(v["raw_bytes"] for v in per_tensor.values())
     enc = sum(v["encoded_bytes"] for v in per_tensor.values())
     all_blocks = torch.cat([x.reshape(-1, values) for x in kv.values()])
     return {
         "bit_exact": (all(v["bit_exact"] for v in per_tensor.values()) and triton["bit_exact"]
+                      and dev_lengths.tolist() == host_lengths
                       and triton["bytes_equal_reference"]
                       and all(e["bytes_equal"] and all(e["round_trip"].values())
                               for e in edges.values())),
@@ -135,6 +145,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "per_tensor": per_tensor,
         "triton": {**triton, "mode": "gpu" if gpu else "interpreter (TRITON_INTERPRET=1)"},
         "triton_compile": _aot(),
+        "device_tables_equal_host": {
+            "blocks": all_hist.shape[0],
+            "lengths": dev_lengths.tolist() == host_lengths,
+            "codes": canonical_codes(dev_lengths).tolist() == host_codes},
         "edge_cases": edges,
         "gpu": torch.cuda.get_device_name() if gpu else None,
         "gpu_decode_gbps": _gpu_decode_gbps(all_blocks, params, args.repeats) if gpu else None,
@@ -142,6 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   "tokens": args.windows * realkv.WINDOW, "block_tokens": args.block_tokens,
                   "block_values": values, "blocks": all_blocks.shape[0],
                   "chunk": params.chunk, "max_len": params.max_len,
+                  "format": f"KVC{params.version}",
                   "torch": torch.__version__},
     }
 
@@ -150,7 +165,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvgate.engines.kvcodec.measure.bench")
     ap.add_argument("--json", action="store_true", help="only the JSON line")
     ap.add_argument("--block-tokens", type=int, default=16, help="tokens per KV block")
-    ap.add_argument("--chunk", type=int, default=512, help="exponents per chunk (lane)")
+    ap.add_argument("--chunk", type=int, default=128, help="exponents per chunk (lane)")
     ap.add_argument("--max-len", type=int, default=12, help="longest Huffman code, bits")
     ap.add_argument("--windows", type=int, default=4, help="256-token sequences of text")
     ap.add_argument("--triton-blocks", type=int, default=1, help="blocks per tensor (Triton)")
