@@ -319,7 +319,7 @@ class KvIndex(MatchingTable):
     # -- records (speculative / approximate) -----------------------------------------------
     def record(
         self, holder_key: HolderId, hashes: Sequence[int], expires: float, *, block_size: int,
-        group_idx: int = 0, learned: bool = False,
+        group_idx: int = 0, learned: bool = False, chain: Sequence[int] | None = None,
     ) -> None:
         """Note that ``holder`` should hold ``hashes`` (device tier) until ``expires``.
 
@@ -329,6 +329,8 @@ class KvIndex(MatchingTable):
         A block already known from an event keeps its event entry and is only refreshed; an
         earlier record gets the later expiry. ``learned``: the entries come from the engine's
         reported cached tokens (flagged :data:`LEARNED` until an event announces them).
+        ``chain``: the whole prompt's chain when ``hashes`` is a prefix of it (finds the
+        prompt's remembered walk, :meth:`MatchMemo.recorded`; the result is the same).
         """
         holder = self._holder(holder_key)
         holder.block_sizes.setdefault(group_idx, block_size)
@@ -345,8 +347,11 @@ class KvIndex(MatchingTable):
                     deque(map(refresh, reversed(hashes)), maxlen=0)
                     holder.last_chain = list(hashes)
                 return
+        # blocks a remembered walk saw held from events (never expiring): refreshed only
+        known = 0 if self.prefix_closed else self.resume.recorded(
+            holder_key, hashes, expires, holder.epoch, chain)
         added = 0
-        for h in reversed(hashes):  # one pass, no calls but the dict's: ~0.3 us per block
+        for h in reversed(hashes[known:]) if known else reversed(hashes):
             hold = get(h)
             if hold is None:
                 blocks[h] = Hold(bits, expires, None)
@@ -357,11 +362,11 @@ class KvIndex(MatchingTable):
                 if bits & ~hold.tiers:
                     self._retier(holder, hold, hold.tiers | bits, hold.ekey)
             refresh(h)
+        if known:  # tail first, after the rest: the same order as the loop's
+            deque(map(refresh, reversed(hashes[:known])), maxlen=0)
         self._size += added
         if self.prefix_closed:
             holder.last_chain = list(hashes)  # cleared by any eviction below
-        else:
-            self.resume.extended(holder_key, hashes, expires)
         self._enforce(holder, holder_key)
 
     def forget_records(self, holder_key: HolderId, hashes: Iterable[int],

@@ -83,7 +83,8 @@ class Run:
 @dataclass(slots=True)
 class MatchMemoStats:
     """Counters (monotonic): lookups that found a remembered chain / did not; holder walks
-    resumed / walked from the root; blocks the resumed walks skipped; entries dropped by the
+    resumed / walked from the root; blocks the resumed walks skipped, and that records only
+    refreshed (:meth:`MatchMemo.recorded`); entries dropped by the
     bound / replaced by their session's next turn. ``entries`` and ``bytes``: held now."""
 
     hits: int = 0
@@ -91,6 +92,8 @@ class MatchMemoStats:
     resumed: int = 0
     full_walks: int = 0
     skipped_blocks: int = 0
+    #: Blocks records only refreshed (a C-level pass) because a run showed them event-held.
+    refreshed_blocks: int = 0
     evicted: int = 0
     superseded: int = 0
     entries: int = 0
@@ -134,15 +137,28 @@ class MatchMemo:
             self.stats.hits += 1
         return entry, common
 
-    def extended(self, holder: HolderId, hashes: Sequence[int], expires: float) -> None:
-        """``holder`` now holds every block of ``hashes`` until ``expires`` at least (a record
-        of them): a remembered run within them keeps its answers at least as long (each of its
-        blocks' expiry is now the greater of its own and ``expires``, so their earliest is)."""
-        entry, common = self._probe(hashes)
+    def recorded(self, holder: HolderId, hashes: Sequence[int], expires: float,
+                 epoch: int, chain: Sequence[int] | None = None) -> int:
+        """``hashes`` are being recorded for ``holder`` (stamp ``epoch``) until ``expires``.
+        Returns how many leading blocks are known from events (the remembered run's ``conf``,
+        while its ``epoch`` holds: held, never expiring, so the record only refreshes them).
+        Afterwards every block of ``hashes`` is held until ``expires`` at least, so a remembered
+        run within them keeps its answers at least as long (each block's expiry is the greater
+        of its own and ``expires``, hence so is their earliest). ``chain``: a longer chain
+        ``hashes`` is a prefix of (found by it; only the common part of ``hashes`` counts)."""
+        if chain is not None and len(chain) > len(hashes) and chain[:len(hashes)] == hashes:
+            entry, common = self._probe(chain)
+            common = min(common, len(hashes))
+        else:
+            entry, common = self._probe(hashes)
         run = None if entry is None else entry.runs.get(holder)
-        if entry is not None and run is not None and run.total <= common \
-                and run.expires < expires:
+        if entry is None or run is None:
+            return 0
+        if run.total <= common and run.expires < expires:
             entry.runs[holder] = replace(run, expires=expires)
+        known = min(run.conf, common) if run.epoch == epoch else 0
+        self.stats.refreshed_blocks += known
+        return known
 
     def _probe(self, hashes: Sequence[int]) -> tuple[Entry | None, int]:
         n = len(hashes)

@@ -112,7 +112,7 @@ class Driver:
         if self.rng.random() < 0.5:  # the usage: learnt prefix, speculation beyond forgotten
             held = self.rng.randint(0, len(chain))
             self.both("record", target, chain[:held], self.now + 300, block_size=BS,
-                      learned=True)
+                      learned=True, chain=chain if self.rng.random() < 0.8 else None)
             self.both("forget_records", target, chain[held:], self.now + self.case.ttl)
         if self.rng.random() < 0.8:
             self.stored[target].append(tokens)
@@ -168,7 +168,9 @@ def test_resumed_match_equals_the_full_walk(case: Case) -> None:
         driver.step()
     stats = driver.fast.match_memo
     assert driver.full.match_memo.resumed == 0
-    assert stats.resumed > 0 and stats.skipped_blocks > 0  # the shortcut was taken
+    assert stats.resumed > 0 and stats.skipped_blocks > 0  # the shortcuts were taken
+    assert stats.refreshed_blocks > 0 or case.events < 0.2
+    assert driver.full.match_memo.refreshed_blocks == 0
 
 
 def test_memo_is_bounded_and_counts_its_bytes() -> None:
