@@ -126,6 +126,9 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
         #: whose parent the index lost (plugins/prefix/index/recent.py). 16 MiB = 4M tokens. 0:
         #: none.
         recent_prompt_bytes: int = Field(16 << 20, ge=0)
+        #: Recent matches' hashes and walks (plugins/prefix/index/resume.py): 16 MiB is ~300
+        #: prompts of 100k tokens in blocks of 16. 0: every match walks from the root.
+        match_memo_bytes: int = Field(16 << 20, ge=0)
         #: Seconds a served request with uncached blocks may wait for its engine's next event.
         silence_s: float = Field(5.0, gt=0)
         #: Seconds an unattributable message keeps silent bound-socket engines degraded.
@@ -158,7 +161,8 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
         assert isinstance(params, KvEventsSubscriber.Params)
         self.p = params
         self.index = KvIndex(params.capacity_blocks, default_block_size=params.default_block_size,
-                             recent_prompt_bytes=params.recent_prompt_bytes)
+                             recent_prompt_bytes=params.recent_prompt_bytes,
+                             match_memo_bytes=params.match_memo_bytes)
         self.stats = KvEventsStats()
         self.health_state = IndexHealth(HealthParams(
             silence_s=params.silence_s, unknown_topic_hold_s=params.unknown_topic_hold_s,

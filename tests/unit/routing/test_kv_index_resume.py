@@ -13,9 +13,12 @@ from dataclasses import asdict, dataclass
 
 import pytest
 
+from kvgate.middleware.observe.metrics import counter_holders
+from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
 from kvgate.plugins.prefix.index.hashing import chain_hashes
 from kvgate.plugins.prefix.index.index import KvIndex
 from kvgate.plugins.prefix.index.resume import Run
+from tests.unit.routing.helpers import NoLookup
 
 BS = 4
 ENGINES = ("e0", "e1", "e2")
@@ -215,3 +218,14 @@ def test_a_record_raises_a_run_it_covers_only(recorded: int, raised: bool) -> No
     entry, _ = memo_index.resume.find(chain[:10])
     assert entry is not None
     assert entry.runs["e0"].expires == (50.0 if raised else 5.0)
+
+
+def test_memo_size_is_on_metrics() -> None:
+    """The kv-events plugin's memo is a counter holder (``holder="index.match_memo"``)."""
+    sub = KvEventsSubscriber("kv-events", KvEventsSubscriber.Params(match_memo_bytes=4096),
+                             NoLookup())
+    sub.index.record("e0", [1, 2, 3], 1e9, block_size=BS)
+    sub.index.match({BS: [1, 2, 3]}, 0.0, 0, ["e0"])
+    held = counter_holders(sub)["index.match_memo"]
+    assert held["entries"] == 1 and 0 < held["bytes"] <= 4096
+    assert sub.index.resume.max_bytes == 4096
