@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import time
 from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import precise_scale
@@ -76,39 +77,64 @@ class _Engine:
         return Usage(len(ids), 1, cached)
 
 
-async def run(opts: precise_scale.Options, from_tokens: int,
-              events: bool = False) -> dict[str, float]:
-    """Mean CPU ms per stage over the turns past ``from_tokens`` (estimated from chars)."""
+@dataclass
+class _Pipe:
+    """One gateway's precise path: tokenizer, kv-events index, producer (and the engine)."""
+
+    tok: Tokenizer
+    sub: KvEventsSubscriber
+    producer: PrefixCacheProducer
+    engine: _Engine | None
+    sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+
+
+async def _pipe(opts: precise_scale.Options, events: bool, memo: bool) -> _Pipe:
     spec = {"kind": "hf", "model_dir": str(opts.model_dir)}
     tok = Tokenizer("tokenizer", Tokenizer.Params(tokenizer=spec), _Lookup({}))
     await tok.start()
-    sub = KvEventsSubscriber("kv-events", KvEventsSubscriber.Params(connect=True),
-                             _Lookup({}))
+    params = KvEventsSubscriber.Params(connect=True, **({} if memo else {"match_memo_bytes": 0}))
+    sub = KvEventsSubscriber("kv-events", params, _Lookup({}))
     sub.on_endpoints_changed(EPS, [])
     producer = PrefixCacheProducer("prefix", PrefixCacheProducer.Params(mode="auto"),
                                    _Lookup({"kv-events": sub}))
     producer.on_endpoints_changed(EPS, [])
+    return _Pipe(tok, sub, producer, _Engine(sub) if events else None)
+
+
+async def _turn(pipe: _Pipe, body: bytes) -> list[float]:
+    """CPU seconds of each stage for one request."""
+    req = parse_request(Api.CHAT, body, {}, "r")
+    state, producer = CycleState(), pipe.producer
+    spent = [await _timed(pipe.tok.prepare(req, state, EPS)),
+             await _timed(producer.prepare(req, state, EPS)),
+             await _timed(producer.before_dispatch(req, state, RoutingDecision(target=EPS[0])))]
+    tokens = state.get(TOKEN_IDS) or ()
+    usage = Usage(256, 1, 128) if pipe.engine is None else pipe.engine.served(tokens)  # untimed
+    spent.append(await _timed(producer.on_usage(req, state, EPS[0], usage)))
+    return spent
+
+
+async def run(opts: precise_scale.Options, from_tokens: int, events: bool = False,
+              memo: Sequence[bool] = (True,)) -> list[dict[str, float]]:
+    """Mean CPU ms per stage over the turns past ``from_tokens`` (estimated from chars), per
+    pipe: one per entry of ``memo`` (the index's match memo on or off), fed the same requests
+    in lockstep, in alternating order (so they share the machine's load turn by turn)."""
+    pipes = [await _pipe(opts, events, on) for on in memo]
     conv = precise_scale.conversations(opts)[0]
-    engine = _Engine(sub) if events else None
-    sums = dict.fromkeys(STAGES, 0.0)
     counted = 0
-    for _ in range(precise_scale.turns_per_session(opts)):
+    for turn in range(precise_scale.turns_per_session(opts)):
         body = conv.next_body(opts)
-        req = parse_request(Api.CHAT, body, {}, "r")
-        state = CycleState()
-        spent = [await _timed(tok.prepare(req, state, EPS)),
-                 await _timed(producer.prepare(req, state, EPS)),
-                 await _timed(producer.before_dispatch(req, state,
-                                                       RoutingDecision(target=EPS[0])))]
-        tokens = state.get(TOKEN_IDS) or ()
-        usage = Usage(256, 1, 128) if engine is None else engine.served(tokens)  # not timed
-        spent.append(await _timed(producer.on_usage(req, state, EPS[0], usage)))
+        order = pipes if turn % 2 == 0 else pipes[::-1]
+        spent = {id(pipe): await _turn(pipe, body) for pipe in order}
         if len(body) / precise_scale.CHARS_PER_TOKEN >= from_tokens:
             counted += 1
-            for stage, cpu in zip(STAGES, spent, strict=True):
-                sums[stage] += cpu
-    await tok.stop()
-    return {stage: total * 1e3 / max(1, counted) for stage, total in sums.items()}
+            for pipe in pipes:
+                for stage, cpu in zip(STAGES, spent[id(pipe)], strict=True):
+                    pipe.sums[stage] += cpu
+    for pipe in pipes:
+        await pipe.tok.stop()
+    return [{stage: total * 1e3 / max(1, counted) for stage, total in pipe.sums.items()}
+            for pipe in pipes]
 
 
 async def _timed(step: Awaitable[None]) -> float:
@@ -126,16 +152,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model-dir", type=Path, default=DEFAULT_TOKENIZER)
     p.add_argument("--events", action="store_true",
                    help="the engine stores each turn's blocks (KV events) and reports its hits")
+    p.add_argument("--memo-off", action="store_true",
+                   help="also run the index without its match memo (every walk from the root), "
+                        "in lockstep with the default, and print both")
     a = p.parse_args(argv)
     opts = precise_scale.parse_options(["--sessions", "1", "--max-tokens", str(a.max_tokens),
                                         "--model-dir", str(a.model_dir)])
     from_tokens = a.from_tokens if a.from_tokens is not None else a.max_tokens * 4 // 5
-    stages = asyncio.run(run(opts, from_tokens, a.events))
+    memo = (True, False) if a.memo_off else (True,)
+    results = asyncio.run(run(opts, from_tokens, a.events, memo))
     print(f"CPU ms per request, turns past ~{from_tokens} tokens (commit "
           f"{precise_scale.git_commit()}{', engine events' if a.events else ''}):")
-    for stage, ms in stages.items():
-        print(f"- {stage}: {ms:.3f}")
-    print(f"- total: {sum(stages.values()):.3f}")
+    for on, stages in zip(memo, results, strict=True):
+        if a.memo_off:
+            print(f"match memo {'on' if on else 'off'}:")
+        for stage, ms in stages.items():
+            print(f"- {stage}: {ms:.3f}")
+        print(f"- total: {sum(stages.values()):.3f}")
     return 0
 
 
