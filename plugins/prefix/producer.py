@@ -491,7 +491,8 @@ class PrefixCacheProducer(
         now = self.clock()
         if held:
             self.events.record(engine, hashes[:held], now + self.p.learned_ttl_s,
-                               block_size=size, group_idx=self.p.group_idx, learned=True)
+                               block_size=size, group_idx=self.p.group_idx, learned=True,
+                               chain=hashes)
             self.events.stats.learned_blocks += held
         self.events.stats.unlearned_blocks += self.events.forget_records(
             engine, hashes[held:], now + self.p.speculative_ttl_s)

@@ -84,6 +84,7 @@ class HfBackend:
         from tokenizers import Tokenizer
 
         self._tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self._encode = getattr(Tokenizer, "encode_batch_fast", Tokenizer.encode_batch)
         path = model_dir / "tokenizer_config.json"
         config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
         self._vars = {
@@ -110,7 +111,9 @@ class HfBackend:
         # ``encode_batch``, not ``encode``: tokenizers' ``encode`` holds the GIL for the whole
         # call (a 10k-token prompt: ~20 ms during which the event loop cannot run, even with
         # the call on a worker thread); ``encode_batch`` releases it. Same ids, ~8 % slower.
-        batch = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
+        # ``encode_batch_fast`` (tokenizers >= 0.20) is the same without the character offsets
+        # kvgate never reads: same ids, ~30 % less CPU (1.6 KB of code: 0.47 -> 0.33 ms).
+        batch = self._encode(self._tok, [text], add_special_tokens=add_special_tokens)
         ids: list[int] = batch[0].ids
         return ids
 

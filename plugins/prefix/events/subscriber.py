@@ -122,10 +122,10 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
         #: Messages queued in each socket before ZMQ drops (then the sequence check fills or
         #: resets).
         receive_hwm: int = Field(100_000, ge=1)
-        #: Packed token ids (4 bytes each) of recently routed prompts kept to re-key events
-        #: whose parent the index lost (plugins/prefix/index/recent.py). 16 MiB = 4M tokens. 0:
-        #: none.
+        #: Recently routed prompts' ids (4 B a token; 16 MiB = 4M) to re-key orphans (recent.py).
         recent_prompt_bytes: int = Field(16 << 20, ge=0)
+        #: Recent matches' walks (index/resume.py; 16 MiB: ~300 100k-token prompts). 0: none.
+        match_memo_bytes: int = Field(16 << 20, ge=0)
         #: Seconds a served request with uncached blocks may wait for its engine's next event.
         silence_s: float = Field(5.0, gt=0)
         #: Seconds an unattributable message keeps silent bound-socket engines degraded.
@@ -157,8 +157,8 @@ class KvEventsSubscriber(Plugin, Lifecycle, EndpointSetListener):
         super().__init__(name, params, plugins)
         assert isinstance(params, KvEventsSubscriber.Params)
         self.p = params
-        self.index = KvIndex(params.capacity_blocks, default_block_size=params.default_block_size,
-                             recent_prompt_bytes=params.recent_prompt_bytes)
+        self.index = KvIndex(params.capacity_blocks, None, params.default_block_size,
+                             params.recent_prompt_bytes, match_memo_bytes=params.match_memo_bytes)
         self.stats = KvEventsStats()
         self.health_state = IndexHealth(HealthParams(
             silence_s=params.silence_s, unknown_topic_hold_s=params.unknown_topic_hold_s,

@@ -20,6 +20,14 @@ Bounds and eviction
     which lets the approximate mode mirror an engine's LRU cache; :meth:`HolderTable.set_capacity`
     overrides it for one holder (an engine whose KV capacity is known).
 
+Change stamps
+    Each holder carries two stamps drawn from one counter of the table (so a holder created
+    anew never repeats an old one): ``epoch`` changes whenever a held block is dropped (any
+    cause), loses its device bit or its engine hash, or gains the learnt bit; ``gains`` whenever
+    a held block gains the device bit or an engine hash, or loses the learnt bit. Expiries only
+    grow while a block is held. :mod:`kvgate.plugins.prefix.index.resume` resumes a walk of a
+    prompt from where the last one stopped while they say nothing it relied on changed.
+
 Nothing here does I/O; single-threaded (owned by the event loop).
 """
 
@@ -78,11 +86,16 @@ class Hold:
 
 
 class Holder:
-    """One holder's maps (module docstring, "Holders")."""
+    """One holder's maps (module docstring, "Holders"), and its change stamps ("Change
+    stamps")."""
 
-    __slots__ = ("block_sizes", "blocks", "by_ehash", "last_chain")
+    __slots__ = ("block_sizes", "blocks", "by_ehash", "epoch", "gains", "last_chain")
 
-    def __init__(self) -> None:
+    def __init__(self, stamp: int = 0) -> None:
+        #: Set from the table's stamp counter on every change that can shorten a walk's
+        #: result over blocks already held (``epoch``) or lengthen one (``gains``).
+        self.epoch = stamp
+        self.gains = stamp
         self.blocks: OrderedDict[int, Hold] = OrderedDict()
         self.by_ehash: dict[tuple[int, EngineHash], int] = {}
         self.block_sizes: dict[int, int] = {}
@@ -134,6 +147,7 @@ class HolderTable:
         self._by_engine: dict[str, list[HolderId]] = {}
         self._caps: dict[HolderId, int] = {}  # per-holder bounds overriding the default
         self._size = 0
+        self._stamp = 0  # the holders' change stamps (module docstring)
 
     # -- reading ------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -201,13 +215,37 @@ class HolderTable:
     def _holder(self, key: HolderId) -> Holder:
         holder = self._holders.get(key)
         if holder is None:
-            holder = self._holders[key] = Holder()
+            self._stamp += 1
+            holder = self._holders[key] = Holder(self._stamp)
             self._by_engine.setdefault(engine_of(key), []).append(key)
         return holder
+
+    def _lost(self, holder: Holder) -> None:
+        """A held block changed so that a walk over it may stop sooner (module docstring)."""
+        self._stamp += 1
+        holder.epoch = self._stamp
+
+    def _gained(self, holder: Holder) -> None:
+        """A held block changed so that a walk's leading runs may reach further."""
+        self._stamp += 1
+        holder.gains = self._stamp
+
+    def _retier(self, holder: Holder, hold: Hold, tiers: int,
+                ekey: tuple[int, EngineHash] | None) -> None:
+        """Set a held block's tiers and engine hash, stamping the holder as they change."""
+        old, known = hold.tiers, hold.ekey is not None
+        hold.tiers, hold.ekey = tiers, ekey
+        device, learned = (old ^ tiers) & DEVICE, (old ^ tiers) & LEARNED
+        if (device and old & DEVICE) or (learned and tiers & LEARNED) or (known and ekey is None):
+            self._lost(holder)
+        if (device and tiers & DEVICE) or (learned and old & LEARNED) or (
+                ekey is not None and not known):
+            self._gained(holder)
 
     def _drop(self, holder: Holder, h: int) -> None:
         hold = holder.blocks.pop(h)
         holder.last_chain = None
+        self._lost(holder)
         self._size -= 1
         if hold.ekey is not None and holder.by_ehash.get(hold.ekey) == h:
             del holder.by_ehash[hold.ekey]

@@ -44,7 +44,7 @@ Nothing here does I/O; the index is single-threaded (owned by the event loop).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 from kvgate.plugins.prefix.events.removals import RemovalLog
 from kvgate.plugins.prefix.index.hashing import (
@@ -63,13 +63,14 @@ from kvgate.plugins.prefix.index.holders import (
     Hold,
     Holder,
     HolderId,
-    HolderTable,
     IndexStats,
     engine_of,
     holder_id,
     tier_of,
 )
+from kvgate.plugins.prefix.index.matching import MatchingTable
 from kvgate.plugins.prefix.index.recent import PackingError, RecentPrompts, pack_tokens
+from kvgate.plugins.prefix.index.resume import DEFAULT_MAX_BYTES
 
 __all__ = [
     "DEVICE", "DEVICE_MEDIA", "LEARNED", "OTHER", "EngineHash", "ExtraKeys", "HashingError",
@@ -78,7 +79,7 @@ __all__ = [
 ]
 
 
-class KvIndex(HolderTable):
+class KvIndex(MatchingTable):
     """Which holder has which block, bounded (see the module docstring).
 
     Parameters:
@@ -90,6 +91,8 @@ class KvIndex(HolderTable):
             are skipped).
         prefix_closed: written by :meth:`record` only (module docstring, "Prefix-closed
             mode"); event updates raise ``TypeError``.
+        match_memo_bytes: bound of the walks remembered to resume a session's next match
+            (:mod:`kvgate.plugins.prefix.index.resume`; 0: every match walks from the root).
     """
 
     def __init__(
@@ -100,132 +103,13 @@ class KvIndex(HolderTable):
         recent_prompt_bytes: int = 0,
         *,
         prefix_closed: bool = False,
+        match_memo_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
-        super().__init__(capacity_blocks, holder_capacity_blocks, default_block_size)
-        self.prefix_closed = prefix_closed
+        super().__init__(capacity_blocks, holder_capacity_blocks, default_block_size,
+                         prefix_closed=prefix_closed, match_memo_bytes=match_memo_bytes)
         self.recent = RecentPrompts(recent_prompt_bytes) if recent_prompt_bytes else None
         #: Blocks the engines' events removed lately (evictions while a request is in flight).
         self.removals = RemovalLog()
-
-    # -- reading (sizes and holders: HolderTable) ----------------------------------------
-    def match(
-        self,
-        hashes_by_size: Mapping[int, Sequence[int]],
-        now: float,
-        group_idx: int = 0,
-        holders: Iterable[HolderId] | None = None,
-        runs: dict[HolderId, tuple[int, int]] | None = None,
-    ) -> dict[HolderId, tuple[int, int]]:
-        """Longest held prefix per holder: ``holder -> (device_tokens, other_tokens)``.
-
-        ``hashes_by_size[bs]`` are the prompt's own hashes for block size ``bs``; each holder is
-        matched with its own block size. ``device_tokens`` is the leading run held on the device
-        tier; ``other_tokens`` what the longest held run adds beyond it. Holders without a match
-        are left out. Matched blocks are refreshed (see the module docstring). ``runs``
-        (event-updated mode): filled per matched holder with ``(confirmed, unlearned)`` tokens
-        within the match, found by the same walk: the leading run held *from events* (a
-        speculative entry, which only guesses what a dispatched request will store, ends it),
-        and the leading run *not* learnt from reported cached tokens (events, resolved
-        ancestors, speculation: what the index knew on its own).
-        """
-        out: dict[HolderId, tuple[int, int]] = {}
-        for hid in self._holders if holders is None else holders:
-            holder = self._holders.get(hid)
-            if holder is None:
-                continue
-            size = holder.block_sizes.get(group_idx, self.default_block_size)
-            hashes = hashes_by_size.get(size)
-            if not hashes:
-                continue
-            if self.prefix_closed:
-                device = total = self._match_closed(holder, hashes, now)
-            else:
-                device, total, conf, unl = self._match_one(holder, hashes, now)
-                if runs is not None and total:
-                    runs[hid] = (conf * size, unl * size)
-            if total:
-                out[hid] = (device * size, (total - device) * size)
-        return out
-
-    def match_tokens(
-        self,
-        token_ids: Sequence[int],
-        now: float,
-        *,
-        block_size: int | None = None,
-        lora: str | None = None,
-        cache_salt: str | None = None,
-        group_idx: int = 0,
-    ) -> dict[HolderId, tuple[int, int]]:
-        """:meth:`match` for a token-id prompt, hashed the way vLLM keys a text prompt's blocks
-        (``block_size`` None: each holder's own block size)."""
-        sizes = self.block_sizes(group_idx) if block_size is None else frozenset({block_size})
-        hashes = {
-            size: chain_hashes(
-                token_ids, size, group_idx=group_idx,
-                extra_keys=request_extra_keys(len(token_ids) // size, lora, cache_salt),
-            )
-            for size in sizes
-        }
-        return self.match(hashes, now, group_idx)
-
-    def _match_one(self, holder: Holder, hashes: Sequence[int],
-                   now: float) -> tuple[int, int, int, int]:
-        """(device, total, confirmed, unlearned) blocks of the longest held unexpired run."""
-        blocks = holder.blocks
-        get = blocks.get
-        device = total = conf = unl = 0
-        on_device = in_conf = in_unl = True
-        for h in hashes:
-            hold = get(h)
-            if hold is None:
-                break
-            if hold.expires <= now:
-                self._drop(holder, h)
-                self.stats.expired_blocks += 1
-                break
-            if on_device and not hold.tiers & DEVICE:
-                on_device = False
-            device += on_device
-            total += 1
-            if in_conf:
-                in_conf = hold.ekey is not None
-                conf += in_conf
-            if in_unl:
-                in_unl = not hold.tiers & LEARNED
-                unl += in_unl
-        if total:  # tail first: the root ends up most recent (a C-level loop over ~800 blocks)
-            deque(map(blocks.move_to_end, reversed(hashes[:total])), maxlen=0)
-        return device, total, conf, unl
-
-    def _match_closed(self, holder: Holder, hashes: Sequence[int], now: float) -> int:
-        """Blocks of the longest held, unexpired prefix, by binary search (prefix-closed mode:
-        held-and-unexpired is monotone along a chain). Every record is on the device tier. The
-        first block past the match, when held but expired, is dropped as :meth:`_match_one`
-        does; recency is left alone (module docstring). The two commonest answers take one
-        lookup: the whole chain (a repeated prompt: its last block is held), or none (an engine
-        that never saw its first block)."""
-        get = holder.blocks.get
-        n = len(hashes)
-        if not n:
-            return 0
-        tail = get(hashes[-1])
-        if tail is not None and tail.expires > now:
-            return n
-        if get(hashes[0]) is None:
-            return 0
-        lo, hi = 0, n  # blocks [0, lo) are held; [hi, n) are not
-        while lo < hi:
-            mid = (lo + hi) // 2
-            hold = get(hashes[mid])
-            if hold is not None and hold.expires > now:
-                lo = mid + 1
-            else:
-                hi = mid
-        if lo < n and get(hashes[lo]) is not None:
-            self._drop(holder, hashes[lo])
-            self.stats.expired_blocks += 1
-        return lo
 
     def _event_update(self) -> None:
         if self.prefix_closed:
@@ -336,8 +220,9 @@ class KvIndex(HolderTable):
         else:
             if hold.ekey is not None and hold.ekey != ekey:
                 holder.by_ehash.pop(hold.ekey, None)
-            hold.tiers = tier if hold.expires != NEVER else hold.tiers | tier
-            hold.expires, hold.ekey = NEVER, ekey
+            self._retier(holder, hold, tier if hold.expires != NEVER else hold.tiers | tier,
+                         ekey)
+            hold.expires = NEVER
             holder.blocks.move_to_end(h)
         holder.by_ehash[ekey] = h
 
@@ -366,9 +251,10 @@ class KvIndex(HolderTable):
             found += 1
             self.removals.removed(engine_of(holder_key), h)
             hold = holder.blocks[h]
-            hold.tiers &= ~tier
-            if not hold.tiers:
+            if not hold.tiers & ~tier:
                 self._drop(holder, h)
+            else:
+                self._retier(holder, hold, hold.tiers & ~tier, hold.ekey)
         self.stats.removed_blocks += found
         return found
 
@@ -426,13 +312,14 @@ class KvIndex(HolderTable):
             self._size += 1
             return
         if hold.expires != NEVER:
-            hold.tiers, hold.expires = DEVICE, NEVER
+            self._retier(holder, hold, DEVICE, hold.ekey)
+            hold.expires = NEVER
         holder.blocks.move_to_end(h)
 
     # -- records (speculative / approximate) -----------------------------------------------
     def record(
         self, holder_key: HolderId, hashes: Sequence[int], expires: float, *, block_size: int,
-        group_idx: int = 0, learned: bool = False,
+        group_idx: int = 0, learned: bool = False, chain: Sequence[int] | None = None,
     ) -> None:
         """Note that ``holder`` should hold ``hashes`` (device tier) until ``expires``.
 
@@ -442,6 +329,8 @@ class KvIndex(HolderTable):
         A block already known from an event keeps its event entry and is only refreshed; an
         earlier record gets the later expiry. ``learned``: the entries come from the engine's
         reported cached tokens (flagged :data:`LEARNED` until an event announces them).
+        ``chain``: the whole prompt's chain when ``hashes`` is a prefix of it (finds the
+        prompt's remembered walk, :meth:`MatchMemo.recorded`; the result is the same).
         """
         holder = self._holder(holder_key)
         holder.block_sizes.setdefault(group_idx, block_size)
@@ -458,8 +347,11 @@ class KvIndex(HolderTable):
                     deque(map(refresh, reversed(hashes)), maxlen=0)
                     holder.last_chain = list(hashes)
                 return
+        # blocks a remembered walk saw held from events (never expiring): refreshed only
+        known = 0 if self.prefix_closed else self.resume.recorded(
+            holder_key, hashes, expires, holder.epoch, chain)
         added = 0
-        for h in reversed(hashes):  # one pass, no calls but the dict's: ~0.3 us per block
+        for h in reversed(hashes[known:]) if known else reversed(hashes):
             hold = get(h)
             if hold is None:
                 blocks[h] = Hold(bits, expires, None)
@@ -467,8 +359,13 @@ class KvIndex(HolderTable):
                 continue
             if hold.expires < expires:  # an event's entry never expires (inf): kept as is
                 hold.expires = expires
-                hold.tiers |= bits
+                # an expiring hold is a record's, so it is on the device: only the learnt bit
+                # can be new (one test per block less on the speculative path)
+                if learned and not hold.tiers & LEARNED:
+                    self._retier(holder, hold, hold.tiers | bits, hold.ekey)
             refresh(h)
+        if known:  # tail first, after the rest: the same order as the loop's
+            deque(map(refresh, reversed(hashes[:known])), maxlen=0)
         self._size += added
         if self.prefix_closed:
             holder.last_chain = list(hashes)  # cleared by any eviction below

@@ -209,3 +209,16 @@ async def test_a_cached_turn_encodes_its_small_suffix_inline(bpe_dir: Path) -> N
                 {"role": "user", "content": "next step"}]
     assert plugin.stats.offloaded == 1 and plugin.chat_cache.hits == 2
     await plugin.stop()
+
+
+@pytest.mark.parametrize(("seed", "special"), [(1, False), (2, True), (3, False)])
+def test_backend_encode_gives_the_tokenizers_own_ids(backend: HfBackend, seed: int,
+                                                     special: bool) -> None:
+    """The backend encodes without offsets (``encode_batch_fast`` where tokenizers has it):
+    the ids are ``Tokenizer.encode``'s, odd texts included."""
+    rng = random.Random(seed)
+    text = "\n".join(corpus()[:40])
+    for _ in range(40):
+        piece = _content(rng, text)
+        assert list(backend.encode(piece, special)) == backend._tok.encode(
+            piece, add_special_tokens=special).ids
