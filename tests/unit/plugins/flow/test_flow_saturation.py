@@ -193,7 +193,7 @@ def test_a_tenant_over_its_share_leaves_each_engine_reserve() -> None:
     assert flow._fits(full, _ticket("B", "interactive"), time.monotonic())
     assert not flow._fits(full, _ticket("B", "batch"), time.monotonic())  # never the reserve
     assert flow._fits(eps, _ticket("A"), time.monotonic())
-    assert flow.pending_paced == 0  # no pacing by default
+    assert flow.pending_paced == 1  # paced by default: A is over its share
 
 
 def _ticket(tenant: str, band: str = "standard") -> Ticket:
