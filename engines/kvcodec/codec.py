@@ -116,6 +116,36 @@ class EncodedBatch:
     offsets: Tensor
 
 
+def _put_headers(out: Tensor, at: Tensor, raw: Tensor, lo: Tensor, hi: Tensor, n: int,
+                 params: Params) -> None:
+    """Each block's 16-byte header at ``at``: magic | mode | lo | hi | max_len | n u32 |
+    chunk u16 | reserved u16 (lo, hi and max_len 0 for a raw block)."""
+    b, head, dev = raw.shape[0], container.HEADER.size, out.device
+    coded = ~raw
+    header = torch.zeros((b, head), dtype=torch.int64, device=dev)
+    header[:, :4] = torch.tensor(list(container.MAGICS[params.version]), device=dev)
+    header[:, 4] = raw.to(torch.int64) * container.MODE_RAW
+    header[:, 5] = torch.where(coded, lo, 0)
+    header[:, 6] = torch.where(coded, hi, 0)
+    header[:, 7] = torch.where(coded, params.max_len, 0)
+    header[:, 8:12] = _le_bytes(torch.tensor(n, device=dev), 4).to(torch.int64)
+    header[:, 12:14] = _le_bytes(torch.tensor(params.chunk, device=dev), 2).to(torch.int64)
+    every = torch.ones((b, head), dtype=torch.bool, device=dev)
+    _put(out, at + torch.arange(head, device=dev), header, every)
+
+
+def _put_table(out: Tensor, at: Tensor, lengths: Tensor, lo: Tensor, hi: Tensor,
+               coded: Tensor, tsize: Tensor) -> None:
+    """The code length of exponents lo..hi at ``at``, two per byte, low nibble first (coded
+    blocks only)."""
+    t = torch.arange(128, device=out.device)
+    first, second = lo.unsqueeze(1) + 2 * t, lo.unsqueeze(1) + 2 * t + 1
+    nib0 = torch.gather(lengths, 1, first.clamp(max=255))
+    nib1 = torch.where(second <= hi.unsqueeze(1), torch.gather(lengths, 1, second.clamp(max=255)),
+                       0)
+    _put(out, at + t, nib0 | (nib1 << 4), coded.unsqueeze(1) & (t < tsize.unsqueeze(1)))
+
+
 def encode_device(blocks: Tensor, params: Params, be: Backend) -> EncodedBatch:
     """Encode a (B, N) BF16 tensor on its device: split, histograms, code lengths, canonical
     codes, chunk encode, the raw-or-coded choice and the packing of every block's header,
@@ -150,28 +180,12 @@ def encode_device(blocks: Tensor, params: Params, be: Backend) -> EncodedBatch:
     offsets[1:] = torch.cumsum(size, dim=0)
     at = offsets[:-1].unsqueeze(1)
     out = torch.zeros(b * (head + 2 * n) + 1, dtype=torch.uint8, device=dev)
-    # header: magic | mode | lo | hi | max_len | n u32 | chunk u16 | reserved u16
-    header = torch.zeros((b, head), dtype=torch.int64, device=dev)
-    header[:, :4] = torch.tensor(list(container.MAGICS[version]), device=dev)
-    header[:, 4] = raw.to(torch.int64) * container.MODE_RAW
-    header[:, 5] = torch.where(coded, lo, 0)
-    header[:, 6] = torch.where(coded, hi, 0)
-    header[:, 7] = torch.where(coded, max_len, 0)
-    header[:, 8:12] = _le_bytes(torch.tensor(n, device=dev), 4).to(torch.int64)
-    header[:, 12:14] = _le_bytes(torch.tensor(chunk, device=dev), 2).to(torch.int64)
-    every = torch.ones((b, head), dtype=torch.bool, device=dev)
-    _put(out, at + torch.arange(head, device=dev), header, every)
+    _put_headers(out, at, raw, lo, hi, n, params)
     # raw blocks: the words as they were (little-endian)
     words = blocks.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
     raw_bytes = _le_bytes(words, 2).view(b, 2 * n)
     _put(out, at + head + torch.arange(2 * n, device=dev), raw_bytes, raw.unsqueeze(1))
-    # table: the code length of exponents lo..hi, two per byte, low nibble first
-    t = torch.arange(128, device=dev)
-    first, second = lo.unsqueeze(1) + 2 * t, lo.unsqueeze(1) + 2 * t + 1
-    nib0 = torch.gather(lengths, 1, first.clamp(max=255))
-    nib1 = torch.where(second <= hi.unsqueeze(1), torch.gather(lengths, 1, second.clamp(max=255)),
-                       0)
-    _put(out, at + head + t, nib0 | (nib1 << 4), coded.unsqueeze(1) & (t < tsize.unsqueeze(1)))
+    _put_table(out, at + head, lengths, lo, hi, coded, tsize)
     # chunk sizes: u8 byte counts (KVC2) or u32 end offsets (KVC1)
     body = at + head + tsize.unsqueeze(1)
     sizes = nbytes if version == 2 else _le_bytes(ends, 4).view(b, field)
