@@ -281,24 +281,24 @@ def decode_chunks(stream: Tensor, starts: Tensor, lengths: Tensor, codes: Tensor
                   chunk: int, max_len: int) -> Tensor:
     """(B, N) uint8 exponents: the multi-symbol tables built on the device, then one lane per
     chunk (``_decode_multi_kernel``)."""
-    b, c = starts.shape
     luts = tables.multi_luts(lengths, codes, max_len)
-    out = torch.empty((b, n), dtype=torch.uint8, device=stream.device)
-    lanes = b * c
-    _launch(_decode_multi_kernel, (triton.cdiv(lanes, LANES),), stream.contiguous(),
-            starts.to(torch.int64).contiguous(), luts.contiguous(), out, n, c, lanes,
-            chunk=chunk, max_len=max_len, lanes=LANES)
-    return out
+    return _decode(_decode_multi_kernel, luts, stream, starts, n, chunk, max_len)
 
 
 def decode_chunks_single(stream: Tensor, starts: Tensor, lengths: Tensor, codes: Tensor,
                          n: int, chunk: int, max_len: int) -> Tensor:
     """The previous decoder (one symbol per lookup, ``_decode_kernel``), kept to compare."""
-    b, c = starts.shape
     luts = tables.single_luts(lengths, codes, max_len)
+    return _decode(_decode_kernel, luts, stream, starts, n, chunk, max_len)
+
+
+def _decode(kernel: object, luts: Tensor, stream: Tensor, starts: Tensor, n: int, chunk: int,
+            max_len: int) -> Tensor:
+    """One lane per chunk of ``kernel`` over the lookup tables ``luts``."""
+    b, c = starts.shape
     out = torch.empty((b, n), dtype=torch.uint8, device=stream.device)
     lanes = b * c
-    _launch(_decode_kernel, (triton.cdiv(lanes, LANES),), stream.contiguous(),
+    _launch(kernel, (triton.cdiv(lanes, LANES),), stream.contiguous(),
             starts.to(torch.int64).contiguous(), luts.contiguous(), out, n, c, lanes,
             chunk=chunk, max_len=max_len, lanes=LANES)
     return out
