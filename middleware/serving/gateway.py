@@ -48,6 +48,7 @@ from kvgate.middleware.serving.requests import (
     load_body,
 )
 from kvgate.middleware.serving.states import StateMap
+from kvgate.middleware.serving.upstream import end_exchange
 from kvgate.middleware.transport.asgi import (
     ClientGone,
     disconnect_source,
@@ -311,13 +312,15 @@ async def _relay_raw(ctx: RequestContext, resp: EngineResponse, engine: str) -> 
     headers = [(b"content-type", ct), *ctx.response_headers,
                (b"x-kvgate-engine", engine.encode())]
     await ctx.send({"type": "http.response.start", "status": resp.status, "headers": headers})
+    ended = False
     try:
         while chunk := await resp.receive():
             await ctx.send({"type": "http.response.body", "body": chunk, "more_body": True})
+        ended = True
     except (UpstreamError, TimeoutError) as exc:
         log.warning("request %s: engine broke off: %s", ctx.request_id, exc)
     finally:
-        resp.close()
+        end_exchange(resp, ended)
     await ctx.send({"type": "http.response.body", "body": b"", "more_body": False})
     return resp.status
 

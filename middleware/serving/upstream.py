@@ -62,6 +62,15 @@ async def first_chunk(resp: EngineResponse) -> bytes:
     return chunk
 
 
+def end_exchange(resp: EngineResponse, read_to_end: bool) -> None:
+    """A streamed answer is over: its connection back to the pool when its body was read to
+    the end (``release`` keeps it only then), else closed (the engine sees the client go)."""
+    if read_to_end:
+        resp.release()
+    else:
+        resp.close()
+
+
 async def relay_stream(
     resp: EngineResponse,
     first: bytes,
@@ -78,14 +87,17 @@ async def relay_stream(
 
     ``on_final`` is awaited once, as soon as the tap's usage is final and *before* the bytes
     that carry it (and the stream's end) are sent: what a usage hook does (a durable ledger
-    record) is done before the client can see its stream end. Cancellation (client
-    disconnect) closes the upstream connection, which aborts the engine's request.
+    record) is done before the client can see its stream end. A stream read to its end gives
+    its connection back to the pool (one connection carries a session's turns, as for whole
+    answers); cancellation (client disconnect) or a broken stream closes it, which aborts
+    the engine's request.
     """
     await send({"type": "http.response.start", "status": 200, "headers": attempt.headers})
     attempt.status = 200
     attempt.first_byte_at = time.monotonic()
     tap = relay.tap
     idle = asyncio.timeout(None)
+    ended = False
     try:
         chunk = first
         while chunk:
@@ -97,13 +109,14 @@ async def relay_stream(
                 await send({"type": "http.response.body", "body": out, "more_body": True})
             async with asyncio.timeout(idle_s) as idle:
                 chunk = await resp.receive()
+        ended = True
     except TimeoutError:  # this silence, or the request's whole deadline
         attempt.broken = f"engine stream stalled: no bytes for {idle_s} s" \
             if idle.expired() else "engine stream broke: TimeoutError"
     except (UpstreamError, asyncio.IncompleteReadError, EventTooLarge) as exc:
         attempt.broken = f"engine stream broke: {type(exc).__name__}"
     finally:
-        resp.close()
+        end_exchange(resp, ended)
         attempt.usage, attempt.events = relay.usage, relay.events
     complete = relay.done if getattr(tap, "sse_done", False) else (relay.done or tap.final)
     if relay.overflow and attempt.broken is None:

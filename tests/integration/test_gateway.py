@@ -82,6 +82,25 @@ async def test_repeated_long_prompt_reports_cached_tokens() -> None:
     assert cached % sims[0].config.block_size == 0
 
 
+async def test_streamed_answers_read_to_the_end_keep_their_engine_connection() -> None:
+    """A session's streamed turns ride one kept-alive engine connection (a new TCP connection
+    per turn cost ~3 ms of TTFT on a quiet host); a broken stream still closes its own (the
+    client-gone case: tests/unit/middleware/test_h1client.py)."""
+    async with sim_fleet(1) as sims, gateway(gateway_config([sims[0].url])) as (_, client):
+        for _ in range(4):
+            resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+            assert sse_events(resp.text)[-1] == "[DONE]"
+        metrics = (await client.get("/metrics")).text
+        assert 'kvgate_engine_connections_opened_total{engine="sim-0"} 1.0' in metrics
+        assert 'kvgate_engine_connections{engine="sim-0",state="idle"} 1.0' in metrics
+        sims[0].faults.apply(FaultSpec(drop_after_chunks=2))  # this stream breaks: closed
+        broken = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        assert sse_events(broken.text)[-1]["error"]["code"] == "upstream_error"
+        await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        metrics = (await client.get("/metrics")).text
+        assert 'kvgate_engine_connections_opened_total{engine="sim-0"} 2.0' in metrics
+
+
 async def test_models_health_metrics(gw: Gw) -> None:
     _, client = gw
     models = (await client.get("/v1/models")).json()
