@@ -55,6 +55,11 @@ from kvgate.middleware.framework.composition.quickstart import QuickStart, quick
 from kvgate.plugins.tenancy.keys_model import hash_key, new_key
 
 MODEL = "sim-model"
+#: ``--engine-kind vllm``: each real engine's KV cache (32k tokens of the tiny model: A's
+#: 160 prompts of ~1.5k tokens do not all fit, B's sessions always do) and B's turns per
+#: session (its history stays within the model's 4,096 tokens; a new session follows).
+VLLM_KV_BYTES = 1 << 30
+VLLM_B_TURNS = 12
 WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa",
          "lambda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon")
 
@@ -62,6 +67,8 @@ WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "
 @dataclass(frozen=True)
 class Setup:
     engines: int = 2
+    #: ``sim`` (engines/sim at H100 timing) or ``vllm`` (real vLLM CPU engines, the tiny model).
+    kind: str = "sim"
     max_num_seqs: int = 16
     #: flow-control params; None: the plugin removed (no flow control).
     flow: dict[str, Any] | None = field(default_factory=dict)
@@ -123,8 +130,8 @@ def systems(root: Path, setup: Setup) -> Iterator[tuple[list[str], list[str], di
     root.mkdir(parents=True)
     keys = _keys(root)
     with contextlib.ExitStack() as stack:
-        urls = []
-        for i in range(setup.engines):
+        urls = stack.enter_context(_vllm(setup.engines)) if setup.kind == "vllm" else []
+        for i in range(setup.engines if setup.kind == "sim" else 0):
             port = procs.free_port()
             argv = [sys.executable, "-m", "kvgate.engines.sim", "--port", str(port), "--engine-id",
                     f"engine-{i}", "--model", MODEL, "--time-scale", "1", "--seed", str(i),
@@ -149,6 +156,27 @@ def systems(root: Path, setup: Setup) -> Iterator[tuple[list[str], list[str], di
             procs.wait_healthy(url + "/health", proc, 60, log)
             gateways.append(url)
         yield gateways, urls, keys
+
+
+@contextlib.contextmanager
+def _vllm(count: int) -> Iterator[list[str]]:
+    """``count`` real vLLM CPU engines (one core each) for one cell; stopped after it."""
+    from kvgate.engines.local.fleet import start_fleet
+    from kvgate.engines.local.launcher import stop
+    engines = start_fleet(count, kv_cache_bytes=VLLM_KV_BYTES, progress=lambda _: None)
+    try:
+        yield [e.url for e in engines]
+    finally:
+        for engine in engines:
+            stop(engine)
+
+
+def model_of(kind: str) -> str:
+    """The model name the engines of ``kind`` serve."""
+    if kind == "sim":
+        return MODEL
+    from kvgate.engines.local.model import SERVED_NAME
+    return SERVED_NAME
 
 
 @dataclass
@@ -187,7 +215,7 @@ async def _call(session: aiohttp.ClientSession, url: str, key: str, body: dict[s
 
 async def agent(url: str, key: str, sid: str, turns: int, ctx_words: int, out_tokens: int,
                 think_s: float, stop: float, tally: Tally, seed: int,
-                headers: dict[str, str] | None = None) -> None:
+                headers: dict[str, str] | None = None, model: str = MODEL) -> None:
     """A closed-loop agent session: each turn resends the history plus a new message."""
     rng = random.Random(seed)
     history: list[dict[str, str]] = [{"role": "system", "content": _text(rng, ctx_words)}]
@@ -198,7 +226,7 @@ async def agent(url: str, key: str, sid: str, turns: int, ctx_words: int, out_to
             if time.monotonic() >= stop:
                 return
             history.append({"role": "user", "content": f"{sid} turn {turn}: " + _text(rng, 40)})
-            body = {"model": MODEL, "messages": history, "max_tokens": out_tokens,
+            body = {"model": model, "messages": history, "max_tokens": out_tokens,
                     "stream": True, "ignore_eos": True}
             await _call(session, url, key, body,
                         {"x-session-affinity": sid, **(headers or {})}, tally)
@@ -207,8 +235,19 @@ async def agent(url: str, key: str, sid: str, turns: int, ctx_words: int, out_to
         tally.sessions_done.append(time.monotonic() - start)
 
 
+async def sessions_until(url: str, key: str, sid: str, turns: int, stop: float, tally: Tally,
+                         seed: int, model: str) -> None:
+    """B's agent sessions of ``turns`` turns each, one after another, until ``stop``."""
+    n = 0
+    while time.monotonic() < stop:
+        await agent(url, key, f"{sid}-{n}", turns, 300, 32, 0.3, stop, tally, seed + 7919 * n,
+                    model=model)
+        n += 1
+
+
 async def flood(url: str, key: str, concurrency: int, stop: float, tally: Tally, seed: int,
-                headers: dict[str, str] | None = None, stream: bool = False) -> None:
+                headers: dict[str, str] | None = None, stream: bool = False,
+                model: str = MODEL) -> None:
     """``concurrency`` closed loops of long one-shot requests until ``stop``."""
     timeout = aiohttp.ClientTimeout(total=600)
 
@@ -216,7 +255,7 @@ async def flood(url: str, key: str, concurrency: int, stop: float, tally: Tally,
         rng = random.Random(seed * 1000 + i)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while time.monotonic() < stop:
-                body = {"model": MODEL, "max_tokens": 256, "ignore_eos": True, "stream": stream,
+                body = {"model": model, "max_tokens": 256, "ignore_eos": True, "stream": stream,
                         "messages": [{"role": "user", "content": f"flood {i}: "
                                       + _text(rng, 600)}]}
                 if not await _call(session, url, key, body, headers or {}, tally):
@@ -225,24 +264,24 @@ async def flood(url: str, key: str, concurrency: int, stop: float, tally: Tally,
 
 
 def _flood_proc(url: str, key: str, concurrency: int, stop: float, seed: int,
-                headers: dict[str, str] | None, out: Any) -> None:
+                headers: dict[str, str] | None, out: Any, model: str = MODEL) -> None:
     """:func:`flood` in its own process (its 100+ connections off the measuring client's event
     loop); puts its status counts on ``out``."""
     tally = Tally()
-    asyncio.run(flood(url, key, concurrency, stop, tally, seed, headers))
+    asyncio.run(flood(url, key, concurrency, stop, tally, seed, headers, model=model))
     out.put(dict(tally.statuses))
 
 
 @contextlib.asynccontextmanager
 async def flood_process(url: str, key: str, concurrency: int, stop: float, seed: int,
                         tally: Tally, headers: dict[str, str] | None = None,
-                        delay_s: float = 0.0) -> Any:
+                        delay_s: float = 0.0, model: str = MODEL) -> Any:
     """Run a flood in a child process (time.monotonic is system-wide) while the block runs;
     its statuses land in ``tally`` when it ends."""
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     proc = ctx.Process(target=_delayed_flood, args=(
-        url, key, concurrency, stop, seed, headers, out, delay_s))
+        url, key, concurrency, stop, seed, headers, out, delay_s, model))
     proc.start()
     try:
         yield
@@ -253,9 +292,10 @@ async def flood_process(url: str, key: str, concurrency: int, stop: float, seed:
 
 
 def _delayed_flood(url: str, key: str, concurrency: int, stop: float, seed: int,
-                   headers: dict[str, str] | None, out: Any, delay_s: float) -> None:
+                   headers: dict[str, str] | None, out: Any, delay_s: float,
+                   model: str = MODEL) -> None:
     time.sleep(delay_s)
-    _flood_proc(url, key, concurrency, stop, seed, headers, out)
+    _flood_proc(url, key, concurrency, stop, seed, headers, out, model)
 
 
 async def engine_finished(urls: Sequence[str]) -> float:
@@ -320,12 +360,14 @@ async def _noisy_cell(url: str, urls: Sequence[str], keys: dict[str, str], flood
     now = time.monotonic()
     a, b = Tally(), Tally(measure_from=now + args.warmup)
     stop = now + args.warmup + args.duration
-    tasks = [agent(url, keys["B"], f"b-{seed}-{i}", 10_000, 300, 32, 0.3, stop, b, seed + i)
+    model = model_of(args.engine_kind)
+    turns = 10_000 if args.engine_kind == "sim" else VLLM_B_TURNS
+    tasks = [sessions_until(url, keys["B"], f"b-{seed}-{i}", turns, stop, b, seed + i, model)
              for i in range(args.b_sessions)]
     async with contextlib.AsyncExitStack() as stack:
         if flood_on:
             await stack.enter_async_context(flood_process(
-                url, keys["A"], args.a_concurrency, stop, seed, a, delay_s=2.0))
+                url, keys["A"], args.a_concurrency, stop, seed, a, delay_s=2.0, model=model))
         await asyncio.gather(*tasks)
     finished = await engine_finished(urls)
     ok = a.statuses[200] + b.statuses[200]
@@ -343,12 +385,13 @@ def _variants(args: argparse.Namespace) -> dict[str, Setup]:
     out: dict[str, Setup] = {}
     for spec in args.variant:
         name, _, params = spec.partition("=")
-        out[name] = Setup(args.engines, flow=json.loads(params))
+        out[name] = Setup(args.engines, args.engine_kind, flow=json.loads(params))
     return out
 
 
 def run_noisy(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
-    systems = {"off": Setup(args.engines, flow=None), "on": Setup(args.engines),
+    kind = args.engine_kind
+    systems = {"off": Setup(args.engines, kind, flow=None), "on": Setup(args.engines, kind),
                **_variants(args)}
     trials = []
     for trial in range(args.trials):
@@ -515,6 +558,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                    default="noisy")
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--engine-kind", choices=["sim", "vllm"], default="sim",
+                   help="noisy: simulated H100 engines, or real vLLM CPU engines (the tiny "
+                        "model, one core each; fresh engines per cell)")
     p.add_argument("--duration", type=float, default=30.0, help="measured seconds per cell")
     p.add_argument("--warmup", type=float, default=5.0,
                    help="uncounted seconds first: the flood's head start (noisy, "
@@ -533,6 +579,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--root", default="/tmp/kvgate-bench-flow")
     args = p.parse_args(argv)
     args.root_path = Path(args.root)
+    if args.engine_kind != "sim" and args.scenario != "noisy":
+        p.error("--engine-kind vllm: the noisy scenario only")
     run = {"noisy": run_noisy, "sessions": run_sessions, "priorities": run_priorities,
            "replicas": run_replicas}
     trials = run[args.scenario](args, Path(args.root))
@@ -546,9 +594,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     medians = {k: _median(trials, k) for k in keys}
     out = {"scenario": args.scenario, "args": {**vars(args), "root_path": args.root},
            "machine": machine_info(),
-           "calibration": "engines/sim --time-scale 1 (H100_TIMING.md), --max-num-seqs 16",
+           "calibration": "engines/sim --time-scale 1 (H100_TIMING.md), --max-num-seqs 16"
+           if args.engine_kind == "sim" else "vLLM CPU engines, the tiny model, one core each",
            "medians": medians, "trials": trials}
-    path = Path(f"bench/results/flow_control_{args.scenario}.json")
+    kind = "" if args.engine_kind == "sim" else f"_{args.engine_kind}"
+    path = Path(f"bench/results/flow_control_{args.scenario}{kind}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
     print(json.dumps(medians), "->", path)
