@@ -93,6 +93,8 @@ class FlowParams(BaseModel):
     #: under their fair share: a flooding tenant cannot take the slots a light tenant's next
     #: turn needs on the engine that holds its session (no preemption: a slot frees only when a
     #: request ends). 1/8: 2 of 16 slots per engine, enough for a few interactive streams.
+    #: The same fraction of its token bound and of ``max_kv_usage`` (an engine full by tokens
+    #: before it is full by requests).
     reserve_fraction: float = Field(0.125, ge=0, lt=1)
     #: [s] A tenant over its fair share enters each engine at most once per this interval
     #: (0: no pacing). Its requests otherwise enter in waves: equal requests admitted

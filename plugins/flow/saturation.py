@@ -143,7 +143,8 @@ class Saturation:
         for ep in eps:
             limit, why = self._verdict(ep, now)
             free = 0 if why is not None else limit - ep.in_flight_requests
-            unreserved = max(0, free - self.reserve(limit))
+            unreserved = 0 if free == 0 or self._in_reserve(ep, limit, now) else max(
+                0, free - self.reserve(limit))
             if ep.role is Role.PREFILL:
                 prefill = free + (prefill or 0)
                 prefill_open += unreserved
@@ -200,12 +201,19 @@ class Saturation:
             limit = self._new().limit if learned is None else learned.limit
             scraped = ep.metrics.scraped_at
             fresh = scraped is not None and now - scraped <= self.p.metrics_stale_s
-            if self._saturated(ep, limit, fresh) is not None:
+            if self._saturated(ep, limit, fresh, past_reserve) is not None:
                 continue
             if past_reserve and limit - ep.in_flight_requests <= self.reserve(limit):
                 continue
             out.append(ep)
         return out
+
+    def _in_reserve(self, ep: Endpoint, limit: int, now: float) -> bool:
+        """Whether ``ep`` (not saturated) is past what a tenant over its share may fill of its
+        KV usage or in-flight tokens (:meth:`_saturated` with ``over_share``)."""
+        scraped = ep.metrics.scraped_at
+        fresh = scraped is not None and now - scraped <= self.p.metrics_stale_s
+        return self._saturated(ep, limit, fresh, over_share=True) is not None
 
     def _new(self) -> _Learned:
         p = self.p
@@ -317,18 +325,25 @@ class Saturation:
         learned.short_queues += 1
         return learned.short_queues >= QUEUE_SCRAPES
 
-    def _saturated(self, ep: Endpoint, limit: int, fresh: bool) -> str | None:
+    def _saturated(self, ep: Endpoint, limit: int, fresh: bool,
+                   over_share: bool = False) -> str | None:
+        """Why ``ep`` takes no request now (None: it takes one). ``over_share``: for a tenant
+        over its fair share, who leaves the last ``reserve_fraction`` of the KV usage and of
+        the in-flight tokens to the others, as it leaves them the last slots: an engine full
+        by tokens long before by requests (long prompts, a large batch) otherwise let a light
+        tenant's turn wait for a flood's request to end."""
         if not ep.healthy:
             return "unhealthy"
         if ep.in_flight_requests >= limit:
             return "in_flight"
         m, p = ep.metrics, self.p
-        if fresh and m.kv_usage is not None and m.kv_usage >= p.max_kv_usage:
+        room = 1.0 - p.reserve_fraction if over_share else 1.0
+        if fresh and m.kv_usage is not None and m.kv_usage >= p.max_kv_usage * room:
             return "kv_usage"
         cap = p.max_in_flight_tokens_per_engine
         if cap is None and KV_CAPACITY_TOKENS in m.extra:
             cap = int(m.extra[KV_CAPACITY_TOKENS] * p.max_kv_usage)
-        if cap is not None and ep.in_flight_tokens >= cap and ep.in_flight_requests > 0:
+        if cap is not None and ep.in_flight_tokens >= cap * room and ep.in_flight_requests > 0:
             return "tokens"
         if (fresh and not p.learn and m.waiting is not None
                 and m.waiting > p.max_engine_waiting):

@@ -196,6 +196,30 @@ def test_a_tenant_over_its_share_leaves_each_engine_reserve() -> None:
     assert flow.pending_paced == 1  # paced by default: A is over its share
 
 
+@pytest.mark.parametrize(("name", "ep", "over_share_open"), [
+    # the token bound of a 10,000-token KV cache: 9,500 (max_kv_usage 0.95); a tenant over its
+    # share stops at 7/8 of it (8,312), and at KV usage 0.83
+    ("tokens under both bounds", _ep(in_flight=2, tokens=8_000, scraped_at=99.0,
+                                     extra={KV_CAPACITY_TOKENS: 10_000.0}), True),
+    ("tokens in the reserve", _ep(in_flight=2, tokens=9_000, scraped_at=99.0,
+                                  extra={KV_CAPACITY_TOKENS: 10_000.0}), False),
+    ("kv usage in the reserve", _ep(in_flight=2, kv_usage=0.9, scraped_at=99.0), False),
+    ("kv usage in the reserve, stale", _ep(in_flight=2, kv_usage=0.9, scraped_at=0.0), True),
+])
+def test_a_tenant_over_its_share_leaves_the_token_and_kv_reserve(
+        name: str, ep: Endpoint, over_share_open: bool) -> None:
+    """An engine full by tokens long before by requests (long prompts): a flood over its share
+    stops at 1 - reserve_fraction of the token bound and of max_kv_usage, so a light tenant's
+    turn goes in at once instead of waiting for one of the flood's requests to end (seen on
+    real vLLM CPU engines: B's TTFT p99 up to 11 s behind A's 256-token answers)."""
+    sat = Saturation(FlowParams(max_in_flight_per_engine=16, learn=False))
+    free, opened, _ = sat.headroom([ep], 100.0)
+    assert free == 14  # under its share: the whole engine
+    assert (opened > 0) == over_share_open
+    assert bool(sat.unsaturated([ep], 100.0, past_reserve=True)) == over_share_open
+    assert sat.unsaturated([ep], 100.0) == [ep]
+
+
 def _ticket(tenant: str, band: str = "standard") -> Ticket:
     return Ticket(band, tenant, None, 10, 0.0, admitted=True)
 
