@@ -52,13 +52,18 @@ def events_port() -> int:
 
 
 #: The fixtures handing out a fleet shared by the session (tests/e2e/shared_fleet.py).
-SHARED_FLEETS = ("vllm_fleet",)
+SHARED_FLEETS = ("vllm_fleet", "bind_fleet", "small_kv_fleet")
+#: ``small_kv_fleet``'s KV cache per engine: 24 MiB = 48 blocks of 128 tokens, room for a few
+#: agent sessions (the sizing of tests/e2e/test_kv_pressure_e2e.py and test_kv_steady_e2e.py).
+SMALL_KV_CACHE_BYTES = 24 << 20
 
 
 @pytest.fixture(scope="session")
 def shared_fleets(tiny_model: Path, events_port: int) -> Iterator[dict[str, SharedFleet]]:
     """Each shared fleet, started by the first module that asks for it."""
-    fleets = {"vllm_fleet": SharedFleet(tiny_model, 2, events_port=events_port)}
+    fleets = {"vllm_fleet": SharedFleet(tiny_model, 2, events_port=events_port),
+              "bind_fleet": SharedFleet(tiny_model, 2),
+              "small_kv_fleet": SharedFleet(tiny_model, 2, kv_cache_bytes=SMALL_KV_CACHE_BYTES)}
     try:
         yield fleets
     finally:
@@ -87,6 +92,22 @@ def vllm_fleet(shared_fleets: dict[str, SharedFleet],
     """Two engines with the default KV cache (64 MiB), publishing their KV events to
     ``events_port`` (``precise_plugins``)."""
     yield from _lend(shared_fleets, "vllm_fleet", request)
+
+
+@pytest.fixture(scope="module")
+def bind_fleet(shared_fleets: dict[str, SharedFleet],
+               request: pytest.FixtureRequest) -> Iterator[list[LocalEngine]]:
+    """Two engines with the default KV cache, each binding its own KV-event socket with vLLM's
+    default (empty) topic (``LocalEngine.kv_events``), as deployed."""
+    yield from _lend(shared_fleets, "bind_fleet", request)
+
+
+@pytest.fixture(scope="module")
+def small_kv_fleet(shared_fleets: dict[str, SharedFleet],
+                   request: pytest.FixtureRequest) -> Iterator[list[LocalEngine]]:
+    """Two engines binding their own KV-event sockets, with ``SMALL_KV_CACHE_BYTES`` of KV
+    each: a few agent sessions fill them."""
+    yield from _lend(shared_fleets, "small_kv_fleet", request)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -37,6 +37,7 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.kv_steady import DEV_MODE_ENV  # /reset_prefix_cache: dev mode, read at start
 from kvgate.engines.local.fleet import start_fleet
 from kvgate.engines.local.launcher import (
     DEFAULT_KV_CACHE_BYTES,
@@ -48,8 +49,6 @@ from kvgate.engines.local.launcher import (
 )
 from kvgate.engines.local.model import SERVED_NAME
 
-#: vLLM serves ``POST /reset_prefix_cache`` only in its dev mode (read when an engine starts).
-DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 #: How long a module's leftovers may keep an engine busy, or a gateway the event port [s].
 SETTLE_S = 120.0
 IDLE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
