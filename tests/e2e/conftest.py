@@ -1,10 +1,11 @@
 """Real vLLM CPU engines for the e2e tests: the engine venv and the tiny model are built on first
 use (minutes on a fresh machine, reused afterwards).
 
-``vllm_fleet``: two engines started once per session and shared by every module that asks for
-them, each module finding them healthy, idle and with empty prefix caches
-(tests/e2e/shared_fleet.py); those modules run back to back and the engines stop after the last
-of them. A module that needs other engine flags or other engines starts its own."""
+``vllm_fleet``, ``bind_fleet``, ``small_kv_fleet``: two engines each, started once per session
+and shared by every module that asks for them, each module finding them healthy, idle and with
+empty prefix caches (tests/e2e/shared_fleet.py); the modules on one of them run back to back
+and its engines stop after the last. A module that needs other engine flags or stops its
+engines for good starts its own (agent APIs, tracing, P/D, ...)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def tiny_model() -> Path:
 
 @pytest.fixture(scope="session")
 def events_port() -> int:
-    """Where the shared fleet's engines send their KV events: a gateway binds it."""
+    """Where ``vllm_fleet``'s engines send their KV events: a gateway binds it."""
     return free_port()
 
 

@@ -1,6 +1,6 @@
-"""The pair of real vLLM CPU engines that the e2e modules on the default fleet share (fixture
-``vllm_fleet`` in tests/e2e/conftest.py): started once per session instead of once per module
-(30 s on a quiet 2-core machine, minutes on a loaded one).
+"""Pairs of real vLLM CPU engines that several e2e modules share (the fixtures ``vllm_fleet``,
+``bind_fleet`` and ``small_kv_fleet`` in tests/e2e/conftest.py): each started once per session
+instead of once per module (30 s on a quiet 2-core machine, minutes on a loaded one).
 
 Each module gets the engines as a fresh start would give them (:meth:`SharedFleet.acquire`):
 
@@ -10,16 +10,18 @@ Each module gets the engines as a fresh start would give them (:meth:`SharedFlee
 * with an empty prefix cache: ``POST /reset_prefix_cache`` (vLLM's dev mode, so the engines
   start with ``VLLM_SERVER_DEV_MODE=1``). vLLM 0.32 answers ``{"success": false}`` while any
   block is held (a request finishing): retried until it succeeds;
-* with the KV-event port free: the gateways of a module bind it (engines connect to it), and
-  the previous module's last gateway must be gone before the next one binds;
-* with nothing buffered for the next gateway. An engine's ZMQ PUB socket *connects* to that
-  port, and once a subscriber has been there it keeps that subscription when the subscriber
-  goes: whatever the engine publishes meanwhile (a module's last requests, the reset) queues
-  (vLLM's high-water mark: 100,000) and floods the next gateway that binds, naming blocks long
-  gone (and, to ``test_serve_default_e2e``'s gateway with other topics, degrading it at once).
-  A fresh engine, never connected, drops what it publishes. So the port is bound here for a
-  moment: the engines connect, their queues drain, and an unsubscribe leaves them with no
-  subscriber, as fresh engines are;
+* (engines connecting to the gateway: ``vllm_fleet``) with the KV-event port free: the gateways
+  of a module bind it, and the previous module's last gateway must be gone before the next
+  one binds;
+* (the same) with nothing buffered for the next gateway. An engine's ZMQ PUB socket
+  *connects* to that port, and once a subscriber has been there it keeps that subscription
+  when the subscriber goes: whatever the engine publishes meanwhile (a module's last requests,
+  the reset) queues (vLLM's high-water mark: 100,000) and floods the next gateway that binds,
+  naming blocks long gone (and, to ``test_serve_default_e2e``'s gateway with other topics,
+  degrading it at once). A fresh engine, never connected, drops what it publishes. So the port
+  is bound here for a moment: the engines connect, their queues drain, and an unsubscribe
+  leaves them with no subscriber, as fresh engines are. (An engine that binds its own socket
+  drops a subscriber's queue when the subscriber goes: nothing to do there.)
 * with no event pending: the reset queues ``AllBlocksCleared``, which vLLM publishes only with
   its next engine step; one tiny request (shorter than a block: nothing cached) makes that step
   now, with nobody subscribed, instead of in the middle of the next module's first request.
