@@ -1,5 +1,11 @@
 """Real vLLM CPU engines for the e2e tests: the engine venv and the tiny model are built on first
-use (minutes on a fresh machine, reused afterwards); two engines start once per module."""
+use (minutes on a fresh machine, reused afterwards).
+
+``vllm_fleet``, ``bind_fleet``, ``small_kv_fleet``: two engines each, started once per session
+and shared by every module that asks for them, each module finding them healthy, idle and with
+empty prefix caches (tests/e2e/shared_fleet.py); the modules on one of them run back to back
+and its engines stop after the last. A module that needs other engine flags or stops its
+engines for good starts its own (agent APIs, tracing, P/D, ...)."""
 
 from __future__ import annotations
 
@@ -15,10 +21,10 @@ import httpx
 import pytest
 import yaml
 
-from kvgate.engines.local.fleet import start_fleet
-from kvgate.engines.local.launcher import LocalEngine, stop
+from kvgate.engines.local.launcher import LocalEngine
 from kvgate.engines.local.model import ensure_model
 from kvgate.engines.ports import free_port
+from tests.e2e.shared_fleet import SharedFleet
 
 KVGATE = str(Path(sys.executable).with_name("kvgate"))
 
@@ -40,19 +46,82 @@ def tiny_model() -> Path:
     return ensure_model(0)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def events_port() -> int:
+    """Where ``vllm_fleet``'s engines send their KV events: a gateway binds it."""
     return free_port()
 
 
-@pytest.fixture(scope="module")
-def vllm_fleet(tiny_model: Path, events_port: int) -> Iterator[list[LocalEngine]]:
-    engines = start_fleet(2, kv_events=f"tcp://127.0.0.1:{events_port}")
+#: The fixtures handing out a fleet shared by the session (tests/e2e/shared_fleet.py).
+SHARED_FLEETS = ("vllm_fleet", "bind_fleet", "small_kv_fleet")
+#: ``small_kv_fleet``'s KV cache per engine: 24 MiB = 48 blocks of 128 tokens, room for a few
+#: agent sessions (the sizing of tests/e2e/test_kv_pressure_e2e.py and test_kv_steady_e2e.py).
+SMALL_KV_CACHE_BYTES = 24 << 20
+
+
+@pytest.fixture(scope="session")
+def shared_fleets(tiny_model: Path, events_port: int) -> Iterator[dict[str, SharedFleet]]:
+    """Each shared fleet, started by the first module that asks for it."""
+    fleets = {"vllm_fleet": SharedFleet(tiny_model, 2, events_port=events_port),
+              "bind_fleet": SharedFleet(tiny_model, 2),
+              "small_kv_fleet": SharedFleet(tiny_model, 2, kv_cache_bytes=SMALL_KV_CACHE_BYTES)}
     try:
-        yield engines
+        yield fleets
     finally:
-        for engine in engines:
-            stop(engine)
+        for fleet in fleets.values():
+            fleet.stop()
+
+
+def _uses(item: pytest.Item, fixture: str) -> bool:
+    return fixture in getattr(item, "fixturenames", ())
+
+
+def _lend(fleets: dict[str, SharedFleet], fixture: str,
+          request: pytest.FixtureRequest) -> Iterator[list[LocalEngine]]:
+    """The shared fleet behind ``fixture``, clean for this module; stopped after the session's
+    last module on it (not idle through the modules after it)."""
+    fleet = fleets[fixture]
+    yield fleet.acquire()
+    users = [item.path for item in request.session.items if _uses(item, fixture)]
+    if not users or users[-1] == request.path:
+        fleet.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_fleet(shared_fleets: dict[str, SharedFleet],
+               request: pytest.FixtureRequest) -> Iterator[list[LocalEngine]]:
+    """Two engines with the default KV cache (64 MiB), publishing their KV events to
+    ``events_port`` (``precise_plugins``)."""
+    yield from _lend(shared_fleets, "vllm_fleet", request)
+
+
+@pytest.fixture(scope="module")
+def bind_fleet(shared_fleets: dict[str, SharedFleet],
+               request: pytest.FixtureRequest) -> Iterator[list[LocalEngine]]:
+    """Two engines with the default KV cache, each binding its own KV-event socket with vLLM's
+    default (empty) topic (``LocalEngine.kv_events``), as deployed."""
+    yield from _lend(shared_fleets, "bind_fleet", request)
+
+
+@pytest.fixture(scope="module")
+def small_kv_fleet(shared_fleets: dict[str, SharedFleet],
+                   request: pytest.FixtureRequest) -> Iterator[list[LocalEngine]]:
+    """Two engines binding their own KV-event sockets, with ``SMALL_KV_CACHE_BYTES`` of KV
+    each: a few agent sessions fill them."""
+    yield from _lend(shared_fleets, "small_kv_fleet", request)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules on a shared fleet run back to back, where the first of them would: its
+    engines are not left idle (memory, a core's background work) under the modules between
+    them, which start engines of their own. Every other test keeps its place and order."""
+    for fixture in SHARED_FLEETS:
+        users = {item.path for item in items if _uses(item, fixture)}
+        first = next((i for i, item in enumerate(items) if item.path in users), None)
+        if first is not None:
+            rest = items[first:]
+            items[first:] = ([i for i in rest if i.path in users]
+                             + [i for i in rest if i.path not in users])
 
 
 @contextlib.contextmanager
@@ -76,7 +145,11 @@ def kvgate_serve(config: dict[str, Any], tmp: Path) -> Iterator[str]:
                 raise AssertionError((tmp / "gateway.log").read_text()[-3000:])
             time.sleep(0.2)
         yield url
-    finally:
+    finally:  # gone before the next gateway binds what this one bound (the KV-event port)
         proc.terminate()
-        proc.wait(15)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(15)
         log.close()

@@ -10,14 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from kvgate.engines.local.fleet import local_fleet
 from kvgate.engines.local.launcher import LocalEngine
 from kvgate.engines.local.model import SERVED_NAME
 from kvgate.middleware.app import KvgateApp, create_app
@@ -28,12 +27,6 @@ pytestmark = pytest.mark.e2e
 
 WORDS = ("river", "stone", "lantern", "harbor", "copper", "meadow", "signal", "orbit", "canvas",
          "thunder", "velvet", "garden", "pixel", "summit", "cobalt", "ember", "glacier", "prism")
-
-
-@pytest.fixture(scope="module")
-def bind_fleet(tiny_model: Path) -> Iterator[list[LocalEngine]]:
-    with local_fleet(2, kv_events_bind=True) as engines:
-        yield engines
 
 
 @contextlib.asynccontextmanager

@@ -20,7 +20,6 @@ Unpressured, the bound is 99 % (tests/e2e/test_kv_predictions_e2e.py).
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,8 +27,8 @@ import pytest
 from bench import agentic, venvs
 from bench.agentic_ideal import RunSummary
 from bench.kv_pressure import RunResult, fleet_of, run_one, table, token_counter
-from kvgate.engines.local.fleet import start_fleet
-from kvgate.engines.local.launcher import LocalEngine, stop
+from kvgate.engines.local.launcher import LocalEngine
+from tests.e2e.conftest import SMALL_KV_CACHE_BYTES
 
 pytestmark = pytest.mark.e2e
 
@@ -50,25 +49,15 @@ RUNS = (("kvgate-default", "headers"), ("kvgate-default", "no-headers"),
 #: KV per engine: 24 MiB = 48 blocks of 128 tokens, bench/kv_pressure.py's sizing scaled to 4
 #: agents at once: a partition (2 sessions + the shared prompts per engine) fits, one engine
 #: holding all 4 does not once the sessions have grown.
-KV_CACHE_BYTES = 24 << 20
+KV_CACHE_BYTES = SMALL_KV_CACHE_BYTES
 
 
 @pytest.fixture(scope="module")
-def bound_fleet(tiny_model: Path) -> Iterator[list[LocalEngine]]:
-    """Two engines as deployed: each binds its own KV-event socket (vLLM's default empty
-    topic; ``LocalEngine.kv_events``) and holds a few agent sessions."""
-    engines = start_fleet(2, kv_cache_bytes=KV_CACHE_BYTES, kv_events_bind=True)
-    try:
-        yield engines
-    finally:
-        for engine in engines:
-            stop(engine)
-
-
-@pytest.fixture(scope="module")
-def runs(bound_fleet: list[LocalEngine], tiny_model: Path,
+def runs(small_kv_fleet: list[LocalEngine], tiny_model: Path,
          tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], RunResult]:
-    fleet = fleet_of(bound_fleet, tiny_model)
+    """On two engines as deployed (each binds its own KV-event socket, vLLM's default empty
+    topic) with ``KV_CACHE_BYTES`` each: the shared ``small_kv_fleet``, caches emptied."""
+    fleet = fleet_of(small_kv_fleet, tiny_model)
     workload = agentic.build(SEED, "low", token_counter(tiny_model), SMALL)
     logs = tmp_path_factory.mktemp("kv-pressure")
     tag = uuid.uuid4().hex[:8]

@@ -10,17 +10,13 @@ the engine reports, and the engine stays ``exact``."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from bench.kv_steady import DEV_MODE_ENV
-from kvgate.engines.local.fleet import local_fleet
 from kvgate.engines.local.launcher import LocalEngine
 from kvgate.engines.local.model import SERVED_NAME
 from kvgate.middleware.app import create_app
@@ -31,17 +27,10 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def dev_engine(tiny_model: Path) -> Iterator[LocalEngine]:
-    old = os.environ.get(DEV_MODE_ENV)
-    os.environ[DEV_MODE_ENV] = "1"  # vLLM serves /reset_prefix_cache only in dev mode
-    try:
-        with local_fleet(1, kv_events_bind=True) as engines:
-            yield engines[0]
-    finally:
-        if old is None:
-            os.environ.pop(DEV_MODE_ENV, None)
-        else:
-            os.environ[DEV_MODE_ENV] = old
+def dev_engine(bind_fleet: list[LocalEngine]) -> LocalEngine:
+    """An engine binding its own KV-event socket, in dev mode (it serves
+    ``/reset_prefix_cache``): the first of the shared ``bind_fleet`` (tests/e2e/conftest.py)."""
+    return bind_fleet[0]
 
 
 def _config(engine: LocalEngine, model: Path) -> dict[str, Any]:

@@ -20,16 +20,15 @@ workload reached 0.95-0.99.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from bench import agentic, venvs
 from bench.kv_pressure import fleet_of, token_counter, warm_up
-from bench.kv_steady import DEV_MODE_ENV, Cell, line, run_sequence, sequence, table
-from kvgate.engines.local.fleet import start_fleet
-from kvgate.engines.local.launcher import LocalEngine, stop
+from bench.kv_steady import Cell, line, run_sequence, sequence, table
+from kvgate.engines.local.launcher import LocalEngine
+from tests.e2e.conftest import SMALL_KV_CACHE_BYTES
 
 pytestmark = pytest.mark.e2e
 
@@ -48,7 +47,7 @@ SMALL = agentic.Level(slots=4, agents=6)
 #: sizing for 4 at once): the shared prompt (10 blocks) and two growing sessions fit, four do
 #: not, so a spread that keeps each session on one engine keeps its turns cached and one that
 #: scatters them (every engine needing every session) or concentrates them evicts.
-KV_CACHE_BYTES = 24 << 20
+KV_CACHE_BYTES = SMALL_KV_CACHE_BYTES
 #: kvgate's share must exceed random's by this much. A fresh gateway is 0.12-0.16 above random
 #: at the low level (docs/benchmarks.md, "KV pressure results"); the collapse put it 0.03-0.08
 #: below. 0.05 lies between, above the run-to-run spread of random's share (0.84-0.88).
@@ -60,23 +59,12 @@ MAX_BUSIEST = 0.70
 
 
 @pytest.fixture(scope="module")
-def dev_fleet(tiny_model: Path) -> Iterator[list[LocalEngine]]:
-    """Two engines binding their own KV-event sockets, serving ``POST /reset_prefix_cache``
-    (vLLM's dev mode) so that each system starts from empty caches."""
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv(DEV_MODE_ENV, "1")
-        engines = start_fleet(2, kv_cache_bytes=KV_CACHE_BYTES, kv_events_bind=True)
-    try:
-        yield engines
-    finally:
-        for engine in engines:
-            stop(engine)
-
-
-@pytest.fixture(scope="module")
-def cells(dev_fleet: list[LocalEngine], tiny_model: Path,
+def cells(small_kv_fleet: list[LocalEngine], tiny_model: Path,
           tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Cell]]:
-    fleet = fleet_of(dev_fleet, tiny_model)
+    """On the shared ``small_kv_fleet``: two engines binding their own KV-event sockets with
+    ``KV_CACHE_BYTES`` each, serving ``POST /reset_prefix_cache`` (vLLM's dev mode) so that
+    each system starts from empty caches."""
+    fleet = fleet_of(small_kv_fleet, tiny_model)
     warm_up(fleet)
     workloads = sequence(SEED, WORKLOADS, "low", token_counter(tiny_model), SMALL)
     logs = tmp_path_factory.mktemp("kv-steady")

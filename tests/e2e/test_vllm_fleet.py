@@ -2,7 +2,8 @@
 
 Engines: the tiny random-weight model (babbles), so tests use ``temperature=0``,
 ``ignore_eos`` and small ``max_tokens``. CPU block size is 128: cached counts are multiples.
-The engine-kill test runs last in this module (it stops one engine of the shared fleet).
+The engine-kill test runs last in this module (it stops one engine of the session's shared
+fleet; a later module on that fleet finds it dead and gets it started again).
 """
 
 from __future__ import annotations
