@@ -199,9 +199,7 @@ class Saturation:
         for ep in eps:
             learned = self._learned.get(ep.id)
             limit = self._new().limit if learned is None else learned.limit
-            scraped = ep.metrics.scraped_at
-            fresh = scraped is not None and now - scraped <= self.p.metrics_stale_s
-            if self._saturated(ep, limit, fresh, past_reserve) is not None:
+            if self._saturated(ep, limit, self._scraped_lately(ep, now), past_reserve):
                 continue
             if past_reserve and limit - ep.in_flight_requests <= self.reserve(limit):
                 continue
@@ -211,9 +209,13 @@ class Saturation:
     def _in_reserve(self, ep: Endpoint, limit: int, now: float) -> bool:
         """Whether ``ep`` (not saturated) is past what a tenant over its share may fill of its
         KV usage or in-flight tokens (:meth:`_saturated` with ``over_share``)."""
+        return self._saturated(ep, limit, self._scraped_lately(ep, now), True) is not None
+
+    def _scraped_lately(self, ep: Endpoint, now: float) -> bool:
+        """Whether ``ep``'s last scrape is within ``metrics_stale_s`` (read only: no
+        learning, no warning; :meth:`_fresh` is the verdict's, which does both)."""
         scraped = ep.metrics.scraped_at
-        fresh = scraped is not None and now - scraped <= self.p.metrics_stale_s
-        return self._saturated(ep, limit, fresh, over_share=True) is not None
+        return scraped is not None and now - scraped <= self.p.metrics_stale_s
 
     def _new(self) -> _Learned:
         p = self.p
