@@ -21,6 +21,10 @@ Scenarios (``--scenario``), each a same-run comparison (systems rotated per tria
 * ``priorities`` -- interactive streams alone vs with a saturating ``batch`` band (requests
   with ``x-kvgate-priority: batch``); flow control on. Reported: interactive TTFT p99 ratio.
 
+``--engine-kind vllm`` (noisy only): the same on real vLLM CPU engines (the tiny model, one
+core each, :data:`VLLM_KV_BYTES` of KV, fresh per cell; B's sessions restart every
+:data:`VLLM_B_TURNS` turns to stay within the model's context); JSON ``..._noisy_vllm.json``.
+
 Every figure is per trial; the summary quotes medians over ``--trials``. JSON to
 ``bench/results/flow_control_<scenario>.json`` (git-ignored)::
 
