@@ -242,7 +242,7 @@ def serve(system: str, base: str, k: int, workload: agentic.Workload, mode: str,
 
 
 # -- a system's sequence -------------------------------------------------------------------
-def _reset(url: str) -> bool | None:
+def reset_prefix_cache(url: str) -> bool | None:
     """One ``POST /reset_prefix_cache``: its ``success``, None where it is not served."""
     request = urllib.request.Request(url + "/reset_prefix_cache", b"", method="POST")
     try:
@@ -260,7 +260,7 @@ def reset_caches(fleet: Fleet, attempts: int = 10) -> bool:
     in dev mode): the system's own ``cache_salt`` then keeps earlier blocks from hitting."""
     for url in fleet.urls:
         for _ in range(attempts):
-            done = _reset(url)
+            done = reset_prefix_cache(url)
             if done is None:
                 return False
             if done:

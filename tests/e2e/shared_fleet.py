@@ -39,7 +39,7 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.kv_steady import DEV_MODE_ENV  # /reset_prefix_cache: dev mode, read at start
+from bench.kv_steady import DEV_MODE_ENV, reset_prefix_cache  # dev mode, read at start
 from kvgate.engines.local.fleet import start_fleet
 from kvgate.engines.local.launcher import (
     DEFAULT_KV_CACHE_BYTES,
@@ -94,7 +94,7 @@ class SharedFleet:
         with httpx.Client(timeout=30) as client:
             for engine in self.engines:
                 _wait_idle(client, engine)
-                _reset_prefix_cache(client, engine)
+                _reset_prefix_cache(engine)
             if self.events_port is not None:  # bound by the engines: no queue outlives its SUB
                 _wait_port_free(self.events_port)
                 self.drained += _drain_events(f"tcp://127.0.0.1:{self.events_port}",
@@ -155,14 +155,13 @@ def _wait_idle(client: httpx.Client, engine: LocalEngine) -> None:
         time.sleep(0.5)
 
 
-def _reset_prefix_cache(client: httpx.Client, engine: LocalEngine) -> None:
+def _reset_prefix_cache(engine: LocalEngine) -> None:
     deadline = time.monotonic() + SETTLE_S
     while True:
-        resp = client.post(engine.url + "/reset_prefix_cache")
-        assert resp.status_code == 200, (
-            f"{engine.name}: POST /reset_prefix_cache answered {resp.status_code} "
-            f"(started without {DEV_MODE_ENV}=1?): {resp.text[:200]}")
-        if resp.json().get("success", False):
+        done = reset_prefix_cache(engine.url)
+        assert done is not None, (f"{engine.name}: POST /reset_prefix_cache not served "
+                                  f"(started without {DEV_MODE_ENV}=1?)")
+        if done:
             return
         if time.monotonic() > deadline:  # vLLM refuses while blocks are held
             raise AssertionError(f"{engine.name}: prefix cache not reset after "
