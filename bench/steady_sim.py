@@ -46,6 +46,7 @@ from kvgate.middleware.framework.types import (
     InferenceRequest,
     RoutingDecision,
 )
+from kvgate.plugins.common.broadcast import Broadcast, Channel
 from kvgate.plugins.common.state import (
     PREFIX_MATCH,
     PROMPT_CHAIN,
@@ -127,11 +128,14 @@ class Router:
     kvgate with ``replicas`` > 1: that many gateways behind a round-robin load balancer, each
     with its own scorer (and record), sharing what ``--redis`` shares: every replica's
     insertions reach the others' ledgers (token-load's counter exchange, here after every
-    request: the ideal of its 1 s rounds), the session table's pin (``SESSION_PIN``), and with
-    the record, every insertion (plugins/prefix/shared_record.py)."""
+    request: the ideal of its 1 s rounds), the session table's pin (``SESSION_PIN``), with
+    the record, every insertion (plugins/prefix/shared_record.py), and unless
+    ``share_memory`` is off (the gateway before it was shared), the placement's session memory
+    (plugins/placement/shared.py: each session's own insertions, header-less conversations),
+    told through the real broadcast's queue and JSON, after every request."""
 
     def __init__(self, system: str, engines: int, capacity_tokens: int, seed: int,
-                 params: dict[str, Any], replicas: int = 1) -> None:
+                 params: dict[str, Any], replicas: int = 1, share_memory: bool = True) -> None:
         self.system = system
         self.n = engines
         self.rng = random.Random(seed)
@@ -150,6 +154,11 @@ class Router:
             self.scorers = [KvPlacementScorer(
                 "kv-placement-scorer", KvPlacementScorer.Params.model_validate(params),
                 Lookup()) for _ in range(replicas)]
+            if replicas > 1 and share_memory:
+                for i, scorer in enumerate(self.scorers):
+                    scorer.shared = Broadcast(None, None, scorer.apply_shared, Channel(
+                        "sim", "sim", "sim", "sim"), me=f"r{i}", flush_s=0.0, timeout_s=1.0,
+                        retry_s=1.0, max_pending=1024)
         if system == "kvgate-approx":
             self.records = [PrefixCacheProducer(
                 "prefix-cache-producer", PrefixCacheProducer.Params.model_validate(
@@ -213,9 +222,13 @@ class Router:
         """What the replicas share through Redis: insertions, the session pin, the record."""
         if self.table is not None and state.get(SESSION_KEY) is not None:
             self.table[state.require(SESSION_KEY)] = decision.target.id
+        told = self.scorers[k].shared
+        items = [] if told is None else json.loads(json.dumps(told.drain()))
         for i, other in enumerate(self.scorers):
             if i != k:
                 other.add_remote({decision.target.id: float(inserted)})
+                for item in items:
+                    other.apply_shared(item)
         for record in self.records:  # the router's own, and the others' through shared_record
             asyncio.run(record.before_dispatch(ireq, state, decision))
 
@@ -248,7 +261,8 @@ def capacity_blocks(wls: Sequence[Workload], engines: int, ratio: float) -> int:
 
 
 def run_cell(seed: int, engines: int, ratio: float, workloads: int, systems: Sequence[str],
-             params: dict[str, Any], replicas: int = 1) -> dict[str, Any]:
+             params: dict[str, Any], replicas: int = 1, share_memory: bool = True
+             ) -> dict[str, Any]:
     wls = list(sequence(seed, workloads, BLOCK))
     cap = capacity_blocks(wls, engines, ratio)
     seen: set[int] = set()
@@ -256,7 +270,7 @@ def run_cell(seed: int, engines: int, ratio: float, workloads: int, systems: Seq
     rows: dict[str, list[dict[str, Any]]] = {}
     for system in systems:
         fleet = [Engine(cap) for _ in range(engines)]
-        router = Router(system, engines, cap * BLOCK, seed, params, replicas)
+        router = Router(system, engines, cap * BLOCK, seed, params, replicas, share_memory)
         rows[system] = [_serve(wl, k, fleet, router, ideals[k]) for k, wl in enumerate(wls)]
     return {"seed": seed, "engines": engines, "ratio": ratio, "capacity_blocks": cap,
             "workloads": [{"concurrent": wl.concurrent, "sessions": wl.sessions,
@@ -325,6 +339,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--params", default="{}", help="kv-placement-scorer params (JSON)")
     p.add_argument("--replicas", type=int, default=1,
                    help="kvgate replicas behind a round-robin balancer, sharing as --redis")
+    p.add_argument("--no-shared-memory", dest="share_memory", action="store_false",
+                   help="replicas without the shared session memory (the gateway before it)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     return p.parse_args(argv)
 
@@ -339,7 +355,7 @@ def main(argv: Sequence[str] | None = None, show: Callable[[str], None] = print
         for engines in (int(e) for e in args.engines.split(",")):
             for ratio in (float(r) for r in args.ratios.split(",")):
                 cell = run_cell(seed, engines, ratio, args.workloads, systems, params,
-                                args.replicas)
+                                args.replicas, args.share_memory)
                 cells.append(cell)
                 line = "  ".join(
                     f"{s}=" + "/".join(f"{w['share']:.2f}" for w in cell["systems"][s][1:])
@@ -350,7 +366,8 @@ def main(argv: Sequence[str] | None = None, show: Callable[[str], None] = print
         if key != "gates":
             show(f"{key:32s} mean {row['mean']:.3f}  worst {row['worst']:.3f}  (n={row['n']})")
     show(f"gates: {json.dumps(summary['gates'])}")
-    doc = {"params": params, "replicas": args.replicas, "cells": cells, "summary": summary}
+    doc = {"params": params, "replicas": args.replicas, "share_memory": args.share_memory,
+           "cells": cells, "summary": summary}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"steady-sim-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(doc, indent=1))

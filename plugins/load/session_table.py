@@ -43,9 +43,15 @@ class RedisLike(Protocol):
     def aclose(self) -> Awaitable[None]: ...
 
 
+def session_digest(key: str) -> str:
+    """A session's scoped key as 32 hex digits (blake2b-128): what leaves the process for Redis,
+    so no tenant or session id is stored or sent in clear."""
+    return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+
+
 def table_key(prefix: str, key: str) -> str:
-    """The Redis key of a session: a digest, so no tenant or session id is stored in clear."""
-    return prefix + hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+    """The Redis key of a session: a digest (:func:`session_digest`)."""
+    return prefix + session_digest(key)
 
 
 @dataclass(slots=True)

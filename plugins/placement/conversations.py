@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvgate.middleware.framework.types import EndpointId
 
@@ -104,30 +104,44 @@ class Conversations:
             turn.full_tail
 
     def add(self, tokens: Sequence[int], block: int, chain: Sequence[int], engine: EndpointId,
-            inserted: float, total: float, half_life: float, previous: Turn | None) -> None:
+            inserted: float, total: float, half_life: float, previous: Turn | None
+            ) -> Turn | None:
         """Remember ``tokens`` sent to ``engine``, inserting ``inserted`` tokens there (fleet
-        counter ``total`` after them); its ``previous`` turn's insertions carry over when it
-        went to the same engine (a conversation that moved starts afresh), and the previous
-        turn is forgotten: a remembered prompt is continued once, so two sessions that share
-        what it holds are never both taken for its conversation."""
+        counter ``total`` after them), and return what was remembered (None: too short to be
+        told apart; see :meth:`put` for the ``previous`` turn)."""
         length = len(tokens) - self.slack
         n = length // block
         if n <= 0 or n > len(chain):
-            return
-        value = inserted
+            return None
+        return self.put(Turn(engine, inserted, total, length,
+                             tail_hash(tokens, n * block, length), chain[n - 1], len(tokens),
+                             tail_hash(tokens, length, len(tokens))), half_life, previous)
+
+    def put(self, turn: Turn, half_life: float, previous: Turn | None) -> Turn:
+        """Remember ``turn`` (``inserted``: this turn's own insertions, at ``total``; another
+        replica's turn, told by plugins/placement/shared.py, comes in here too). Its
+        ``previous`` turn's insertions carry over when it went to the same engine (a
+        conversation that moved starts afresh), and the previous turn is forgotten: a
+        remembered prompt is continued once, so two sessions that share what it holds are never
+        both taken for its conversation."""
+        value = turn.inserted
         if previous is not None:
             if self._turns.get(previous.key) is previous:
                 del self._turns[previous.key]
-            if previous.engine == engine:
-                value += previous.inserted * math.exp2(-(total - previous.total) / half_life)
-        key = chain[n - 1]
-        self._turns[key] = Turn(engine, value, total, length,
-                                tail_hash(tokens, n * block, length), key, len(tokens),
-                                tail_hash(tokens, length, len(tokens)))
-        self._turns.move_to_end(key)
+            if previous.engine == turn.engine:
+                value += previous.inserted * math.exp2(-(turn.total - previous.total) / half_life)
+        if value != turn.inserted:
+            turn = replace(turn, inserted=value)
+        self._turns[turn.key] = turn
+        self._turns.move_to_end(turn.key)
         while len(self._turns) > self.max_entries:
             self._turns.popitem(last=False)
             self.evicted += 1
+        return turn
+
+    def get(self, key: int) -> Turn | None:
+        """The turn remembered under ``key`` (no recency change), or None."""
+        return self._turns.get(key)
 
     def own_pressure(self, turn: Turn, total: float, half_life: float, capacity: int) -> float:
         """``turn``'s conversation's decayed insertions into its engine (of ``capacity``

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvgate.plugins.common.broadcast import broadcast_families
 from kvgate.plugins.placement.state import PlacementView
 
 
@@ -66,3 +67,5 @@ class PlacementCollector(Collector):
             capacity.add_metric([engine], s.capacities[engine])
         yield pressure
         yield capacity
+        if s.shared is not None:
+            yield from broadcast_families("kvgate_placement_shared", s.shared)

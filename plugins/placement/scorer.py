@@ -47,6 +47,8 @@ Several replicas (``redis_url`` on the token-load scorer named by ``load``): eac
 charged insertions are shared with the others through Redis every ``share_interval_s`` and
 added to their ledgers, so every replica's pressure counts the whole fleet's insertions (a
 replica alone would see only the requests it routed: a noisier sample of the same rates).
+With its own ``redis_url`` (``--redis`` sets both), its memory of each session is told to the
+other replicas too (plugins/placement/shared.py): a replica may see one turn in N.
 
 Insertions are charged at dispatch from what the scheduler knew (``miss`` on the engine that
 prefills, the prompt minus its hit on a decode engine that receives transferred KV, plus the
@@ -65,17 +67,19 @@ evicted first). Parameters and why their values: docs/plugins/placement.md.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from typing import ClassVar
+from importlib.util import find_spec
+from typing import Any, ClassVar
 
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from kvgate.middleware.framework.errors import ConfigError
 from kvgate.middleware.framework.plugin import (
     DispatchHook,
     EndpointSetListener,
+    HealthSource,
+    Lifecycle,
     MetricsSource,
     Persistent,
     Plugin,
@@ -92,6 +96,7 @@ from kvgate.middleware.framework.types import (
     StateKey,
     add_log_field,
 )
+from kvgate.plugins.common.broadcast import Broadcast
 from kvgate.plugins.common.state import (
     PREFIX_MATCH,
     PROMPT_CHAIN,
@@ -100,6 +105,7 @@ from kvgate.plugins.common.state import (
     TOKEN_IDS,
     PrefixMatch,
 )
+from kvgate.plugins.load.session_table import session_digest
 from kvgate.plugins.load.shared_load import CounterShare
 from kvgate.plugins.load.token_load import (
     TokenLoadScorer,
@@ -110,6 +116,14 @@ from kvgate.plugins.load.token_load import (
 from kvgate.plugins.placement.conversations import Conversations, Turn
 from kvgate.plugins.placement.insertion_ledger import InsertionLedger, SessionInsertions
 from kvgate.plugins.placement.metrics import PlacementCollector
+from kvgate.plugins.placement.pins import SessionPins
+from kvgate.plugins.placement.shared import (
+    apply_told,
+    conversation_item,
+    parse,
+    session_item,
+    start_placement_share,
+)
 from kvgate.plugins.placement.state import PLACEMENT, Placement, PlacementStats, PlacementView
 
 #: The request's earlier turn found without a session header (None: looked up, none found).
@@ -117,7 +131,8 @@ _PREVIOUS: StateKey[tuple[Turn | None]] = StateKey("kv-placement-previous-turn")
 
 
 class KvPlacementScorer(
-    Plugin, Scorer, DispatchHook, EndpointSetListener, MetricsSource, Persistent
+    Plugin, Scorer, DispatchHook, EndpointSetListener, Lifecycle, HealthSource, MetricsSource,
+    Persistent,
 ):
     """Plugin ``kv-placement-scorer`` (see the module docstring and docs/plugins/placement.md).
 
@@ -133,14 +148,9 @@ class KvPlacementScorer(
     * ``half_life_caches`` [fleet capacities] — 1.0: an LRU cache keeps a block for about one
       turnover, so insertions older than one fleet turnover no longer occupy anything.
     * ``load_weight`` [cost tokens per in-flight token] — 0.02: a queued token delays this
-      request once and drains within a few prefill steps, while a missed token duplicates a
-      prefix held elsewhere and displaces blocks other sessions want; the queue is a
-      saturation guard (a session moves when its engine's queue exceeds fifty times the
-      prefix it holds beyond the others: a one-block 512-token continuation stays behind up
-      to 25,600 queued tokens, about three 8,192-token prefill steps). Timed replay
-      (docs/plugins/placement.md has the sweeps): 1.0 lost 0.02-0.04 of hit ratio and TTFT;
-      at 0.1 in-flight bursts still moved 57 of 66 moved sessions of the conversation trace
-      (bench/replay_moves.py), costing 0.002-0.005 of hit ratio, TTFT unchanged at 0.02.
+      request once, a missed token duplicates a prefix and displaces blocks others want: the
+      queue is a saturation guard (a session moves when its engine's queue exceeds fifty times
+      the prefix it holds beyond the others). Sweeps: docs/plugins/placement.md.
     * ``pin_tokens`` [tokens] — 256: the session's last engine wins when the costs are within
       two CPU blocks (128 tokens) or sixteen GPU blocks (16 tokens); a tie-breaker for the
       moments the index cannot see the session (events not yet arrived), never a force that
@@ -160,6 +170,8 @@ class KvPlacementScorer(
     * ``default_output_tokens``, ``max_output_tokens`` [tokens] — expected output when the
       client sets no limit / cap on a client's limit (as token-load-scorer).
     * ``max_sessions`` [sessions] — pins kept (65,536 x ~150 bytes ≈ 10 MB).
+    * ``redis_url`` — tell the other replicas what this one remembers of each session
+      (plugins/placement/shared.py; default: ``shared_state.redis_url``, i.e. ``--redis``).
     """
 
     type_name: ClassVar[str] = "kv-placement-scorer"
@@ -179,11 +191,16 @@ class KvPlacementScorer(
         default_output_tokens: int = Field(256, ge=0)
         max_output_tokens: int = Field(4096, ge=1)
         max_sessions: int = Field(65_536, ge=1)
+        redis_url: SecretStr | None = None
 
     def __init__(self, name: str, params: BaseModel, plugins: PluginLookup) -> None:
         super().__init__(name, params, plugins)
         assert isinstance(params, KvPlacementScorer.Params)
         self.p = params
+        if params.redis_url is not None and find_spec("redis") is None:
+            raise ConfigError("redis_url needs the 'redis' package (pip install 'kvgate[redis]')")
+        #: The other replicas' session memory (with ``redis_url``, once started).
+        self.shared: Broadcast | None = None
         self.load: TokenLoadScorer | None = None
         if params.load is not None:
             found = plugins.lookup(params.load)
@@ -199,12 +216,8 @@ class KvPlacementScorer(
         self._inserted: dict[EndpointId, float] = {}
         if self.load is not None:
             self.load.share_counters(CounterShare(self._inserted.copy, self.add_remote))
-        #: session -> (engine it used last, prompt tokens it sent there), least recent first
-        self._pins: OrderedDict[str, tuple[EndpointId, int]] = OrderedDict()
-        #: Pins restored after a restart, until the session's next dispatch: the index cannot
-        #: see prefixes stored before the restart, so the pinned engine is taken to hold
-        #: what the session sent it (at most ``max_sessions``: a subset of the pins).
-        self._hints: dict[str, tuple[EndpointId, int]] = {}
+        #: Session pins and, after a restart, hints (plugins/placement/pins.py).
+        self.pins = SessionPins(params.max_sessions, self.stats)
         self._capacity: dict[EndpointId, int] = {}
         #: The metrics object each engine's capacity was last read from (one per engine,
         #: dropped when it leaves the pool).
@@ -278,16 +291,16 @@ class KvPlacementScorer(
         held = _held(eps, float(prompt), match, p.other_tier_weight)
         pressure = self._pressures(held, half_life)
         session = state.get(SESSION_KEY)
-        pinned = state.get(SESSION_PIN) or self._pin_of(session)
+        pinned = state.get(SESSION_PIN) or self.pins.of(session)
         turn = None if session is not None else self._previous(state)
         if turn is not None:  # no header: the conversation its prompt continues
             pinned = turn.engine
         if pinned is not None and pinned in pressure:  # its own growth is no threat to it
-            total, cap = self.ledger.total, self._capacity[pinned]
-            pressure[pinned] -= self._own.pressure(session, pinned, total, half_life, cap) if (
-                turn is None) else self.conversations.own_pressure(turn, total, half_life, cap)
+            # another replica's turn may be told before its tokens reach this ledger: >= 0
+            pressure[pinned] = max(0.0, pressure[pinned] - self._own_pressure(
+                session, turn, pinned, half_life))
         slowest = min(pressure.values())
-        hint = self._hints.get(session) if session is not None else None
+        hint = self.pins.hints.get(session) if session is not None else None
         if hint is not None and hint[0] in held:
             held[hint[0]] = max(held[hint[0]], float(min(prompt, hint[1])))
         queued = self.queue(eps)
@@ -303,6 +316,17 @@ class KvPlacementScorer(
         if max(held.values()) > min(held.values()):
             home = max(held, key=held.__getitem__)
         return Placement(costs, home)
+
+    def _own_pressure(self, session: str | None, turn: Turn | None, engine: EndpointId,
+                      half_life: float) -> float:
+        """The session's (or header-less conversation's) own recent insertions into
+        ``engine`` per token of its capacity."""
+        total, cap = self.ledger.total, self._capacity[engine]
+        if turn is not None:
+            return self.conversations.own_pressure(turn, total, half_life, cap)
+        if session is None:
+            return 0.0
+        return self._own.pressure(session_digest(session), engine, total, half_life, cap)
 
     def score(
         self, req: InferenceRequest, state: CycleState, eps: Sequence[Endpoint]
@@ -341,10 +365,11 @@ class KvPlacementScorer(
             add_log_field(state, "placement", kind)
         session = state.get(SESSION_KEY)
         if session is not None:
-            if self._hints.pop(session, None) is not None:
-                self.stats.hints_used += 1
-            self._pin(session, target, prompt)
-            self._own.add(session, target, inserted[target], self.ledger.total, half_life)
+            self.pins.pin(session, target, prompt)
+            digest = session_digest(session)
+            self._own.add(digest, target, inserted[target], self.ledger.total, half_life)
+            if self.shared is not None:
+                self.shared.send(session_item(digest, target, inserted[target]))
         else:
             self._remember(state, target, inserted[target], half_life)
 
@@ -365,8 +390,18 @@ class KvPlacementScorer(
             return
         looked = state.get(_PREVIOUS)
         previous = looked[0] if looked is not None else self._previous(state)
-        self.conversations.add(tokens, chain[0], chain[1], target, inserted,
-                               self.ledger.total, half_life, previous)
+        turn = self.conversations.add(tokens, chain[0], chain[1], target, inserted,
+                                      self.ledger.total, half_life, previous)
+        if turn is not None and self.shared is not None:
+            self.shared.send(conversation_item(turn, inserted, previous))
+
+    def apply_shared(self, item: Any) -> bool:
+        """Another replica's session memory (plugins/placement/shared.py), applied as if this
+        replica had dispatched it, at this replica's fleet counter; False: malformed, or an
+        engine this replica has not scored yet (a replica learns the fleet on its first
+        request) or does not route to."""
+        return apply_told(parse(item), self._own, self.conversations, self._capacity,
+                          self.ledger.total, self._half_life())
 
     def add_remote(self, inserted: Mapping[EndpointId, float]) -> None:
         """The other replicas' insertions since the last exchange (shared through Redis by the
@@ -387,48 +422,39 @@ class KvPlacementScorer(
         self.stats.decisions[kind] += 1
         return kind
 
-    # -- session pins -------------------------------------------------------------------------
-    def _pin_of(self, session: str | None) -> EndpointId | None:
-        if session is None:
-            return None
-        entry = self._pins.get(session)
-        engine = None if entry is None else entry[0]
-        if engine is not None:
-            self._pins.move_to_end(session)
-            self.stats.pins_used += 1
-        return engine
+    # -- Lifecycle, HealthSource: the session memory shared with the other replicas ----------
+    async def start(self) -> None:
+        if self.p.redis_url is None or self.shared is not None:
+            return
+        self.shared = start_placement_share(self.p.redis_url.get_secret_value(),
+                                            self.apply_shared)
 
-    def _pin(self, session: str, engine: EndpointId, tokens: int) -> None:
-        self._pins[session] = (engine, tokens)
-        self._pins.move_to_end(session)
-        while len(self._pins) > self.p.max_sessions:
-            self._pins.popitem(last=False)
-            self.stats.pins_evicted += 1
+    async def stop(self) -> None:
+        shared, self.shared = self.shared, None
+        if shared is not None:
+            await shared.stop()
 
-    # -- persistence (middleware/serving/routing_state.py)
-    # --------------------------------------------
+    def health(self) -> Mapping[str, object]:
+        return self.shared.health() if self.shared is not None else {}
+
+    # -- persistence (middleware/serving/routing_state.py) -----------------------------------
     def snapshot(self) -> dict[str, object]:
         """Session pins (least recently used first) and the insertion ledger: what makes a
         restarted gateway send a session back to its engine and keep the pressures it saw."""
-        return {"pins": [[s, e, t] for s, (e, t) in self._pins.items()],
+        return {"pins": self.pins.snapshot(),
                 "ledger": self.ledger.snapshot()}
 
     def restore(self, data: dict[str, object]) -> int:
         """Take back :meth:`snapshot` (at startup, before the first request); at most
         ``max_sessions`` pins, the most recent kept."""
-        pins = data["pins"]
-        if not isinstance(pins, list):
-            raise TypeError("pins must be a list")
         ledger = data["ledger"]
         if not isinstance(ledger, dict):
             raise TypeError("ledger must be a mapping")
-        restored: OrderedDict[str, tuple[EndpointId, int]] = OrderedDict()
-        for session, engine, tokens in pins[-self.p.max_sessions:]:
-            restored[str(session)] = (str(engine), int(tokens))
+        pins = SessionPins(self.p.max_sessions, self.stats)
+        restored = pins.restore(data["pins"])
         engines = self.ledger.restore(ledger)
-        self._pins = restored
-        self._hints = dict(restored)
-        return len(restored) + engines
+        self.pins = pins
+        return restored + engines
 
     # -- endpoint set, metrics ----------------------------------------------------------------
     def on_endpoints_changed(
@@ -442,10 +468,7 @@ class KvPlacementScorer(
             self._metrics_read.pop(ep.id, None)
             self._inserted.pop(ep.id, None)
         self._half_life_tokens = None
-        gone = {ep.id for ep in removed}
-        for session in [s for s, (e, _) in self._pins.items() if e in gone]:
-            del self._pins[session]
-            self._hints.pop(session, None)
+        self.pins.forget_engines({ep.id for ep in removed})
 
     def collector(self) -> Collector:
         return PlacementCollector(self.metrics_view)
@@ -453,12 +476,13 @@ class KvPlacementScorer(
     def metrics_view(self) -> PlacementView:
         """The numbers ``/metrics`` shows, now."""
         return PlacementView(
-            stats=self.stats, sessions=len(self._pins), own_sessions=len(self._own),
-            hints=len(self._hints), conversations=len(self.conversations),
+            stats=self.stats, sessions=len(self.pins.entries), own_sessions=len(self._own),
+            hints=len(self.pins.hints), conversations=len(self.conversations),
             conversation_turns_found=self.conversations.found,
             conversations_evicted=self.conversations.evicted,
             pressures=self._pressures(self._capacity, self._half_life()),
-            capacities=dict(self._capacity))
+            capacities=dict(self._capacity),
+            shared=None if self.shared is None else self.shared.stats)
 
 
 def _held(eps: Sequence[Endpoint], prompt: float, match: PrefixMatch | None,

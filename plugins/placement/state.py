@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from kvgate.middleware.framework.immutable import immutable
 from kvgate.middleware.framework.types import EndpointId, StateKey
+from kvgate.plugins.common.broadcast import BroadcastStats
 
 
 @dataclass(slots=True)
@@ -54,3 +55,5 @@ class PlacementView:
     #: Per engine: recent insertions per token of capacity, and the capacity [tokens].
     pressures: Mapping[EndpointId, float]
     capacities: Mapping[EndpointId, int]
+    #: The session memory told to / by the other replicas (None: not shared).
+    shared: BroadcastStats | None = None

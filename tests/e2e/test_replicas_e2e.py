@@ -9,7 +9,9 @@ request *i* of a session to another replica than request *i - 1*.
   table (Redis) gives every replica the engine of the session's last turn, and the shared
   approximate record tells every replica which blocks the others routed where. (The same
   traffic over the same replicas started without ``--redis`` moved 6 of 6 sessions, each turn
-  to another engine: run by hand on 2026-11-25.)
+  to another engine: run by hand on 2026-11-25.) Every replica's placement remembers every
+  session's own insertions, including the turns it did not route (told through Redis:
+  plugins/placement/shared.py), and says ``shared_placement: ok`` on ``/health``.
 * A request in flight on one replica is seen by the others: ``kvgate_token_load_tokens`` with
   ``scope="other"`` on replica B names the engine replica A streams from.
 * redis-server killed: every replica keeps serving on its own state and says so on ``/health``
@@ -159,6 +161,14 @@ def _sessions_agree(gws: list[str]) -> None:
             landed[s].append(complete(base, document(s, turn), f"chat-{s}"))
     for s, engines in landed.items():
         assert len(set(engines)) == 1, f"session {s} moved between engines: {engines}"
+    for base in gws:  # every replica knows every session's own insertions, told or seen
+        def told(base: str = base) -> bool:
+            own = metric(base, "kvgate_placement_own_insertion_sessions")
+            return list(own.values()) == [float(SESSIONS)]
+
+        wait_for(told, "every replica's placement remembers every session")
+        section = httpx.get(base + "/health", timeout=10).json()["plugins"]
+        assert section["kv-placement-scorer"]["shared_placement"] == "ok"
 
 
 def _load_is_shared(gws: list[str]) -> None:
@@ -194,6 +204,7 @@ def _outage_keeps_serving(gws: list[str]) -> None:
         wait_for(degraded, f"replica {i} reports the shared load degraded")
         plugins = httpx.get(base + "/health", timeout=10).json()["plugins"]
         assert "degraded" in str(plugins["prefix-cache-producer"].get("shared_record"))
+        assert "degraded" in str(plugins["kv-placement-scorer"].get("shared_placement"))
         down = metric(base, "kvgate_shared_load_down")
         assert list(down.values()) == [1.0]
         assert httpx.get(base + "/health", timeout=10).status_code == 200

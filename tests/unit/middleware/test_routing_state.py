@@ -49,8 +49,8 @@ def test_pins_and_pressure_survive_a_restart(tmp_path: Path) -> None:
     after = _scorer()
     state = _file(tmp_path, after)
     state.restore()
-    assert after._pins == before._pins
-    assert list(after._pins) == list(before._pins)  # LRU order kept
+    assert after.pins.entries == before.pins.entries
+    assert list(after.pins.entries) == list(before.pins.entries)  # LRU order kept
     half_life = 1_000_000.0
     for engine in ("e0", "e1"):
         assert after.ledger.value(engine, half_life) == pytest.approx(
@@ -70,7 +70,7 @@ def test_another_fleet_starts_fresh(tmp_path: Path, engines: list[tuple[str, str
     after = _scorer()
     state = _file(tmp_path, after, engines)
     state.restore()
-    assert not after._pins
+    assert not after.pins.entries
     assert state.stats.status == "fresh"
 
 
@@ -97,7 +97,7 @@ def test_unreadable_file_is_skipped_with_a_warning(
     assert state.health()["status"] == "unreadable"
     assert state.stats.load_failures == 1
     assert "routing starts with fresh state" in caplog.text
-    assert not scorer._pins
+    assert not scorer.pins.entries
 
 
 def test_malformed_plugin_part_leaves_that_plugin_fresh(tmp_path: Path) -> None:
@@ -109,7 +109,7 @@ def test_malformed_plugin_part_leaves_that_plugin_fresh(tmp_path: Path) -> None:
     state.restore()
     assert state.stats.load_failures == 1
     assert "placement" not in state.stats.restored
-    assert not scorer._pins
+    assert not scorer.pins.entries
 
 
 def test_restore_keeps_the_most_recent_pins_up_to_max_sessions(tmp_path: Path) -> None:
@@ -119,7 +119,7 @@ def test_restore_keeps_the_most_recent_pins_up_to_max_sessions(tmp_path: Path) -
     _file(tmp_path, before).save()
     after = _scorer(max_sessions=5)
     _file(tmp_path, after).restore()
-    assert list(after._pins) == [f"s{i}" for i in range(15, 20)]
+    assert list(after.pins.entries) == [f"s{i}" for i in range(15, 20)]
 
 
 def test_failed_save_is_counted_and_does_not_raise(tmp_path: Path) -> None:
@@ -155,4 +155,4 @@ def test_periodic_save_and_last_save_at_stop(tmp_path: Path) -> None:
 
 
 def _route_in_loop(scorer: KvPlacementScorer, session: str, engine: str) -> None:
-    scorer._pin(session, engine, 100)
+    scorer.pins.pin(session, engine, 100)

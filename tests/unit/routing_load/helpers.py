@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -72,3 +73,13 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+async def until(check: object, limit_s: float = 5.0) -> None:
+    """Wait (polling every 20 ms) until ``check()`` holds; AssertionError after ``limit_s``."""
+    assert callable(check)
+    for _ in range(int(limit_s / 0.02)):
+        if check():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not met in time")

@@ -15,7 +15,7 @@ from kvgate.plugins.load.loads import EngineLoad
 from kvgate.plugins.load.shared_load import merge_loads
 from kvgate.plugins.load.token_load import TokenLoadScorer
 from tests.servers import REDIS_SERVER, RedisServer, free_port
-from tests.unit.routing_load.helpers import ep, load_scorer, req
+from tests.unit.routing_load.helpers import ep, load_scorer, req, until
 
 pytest.importorskip("redis", reason="the 'redis' package is not installed (kvgate[redis])")
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server not installed")
@@ -49,15 +49,6 @@ def scorer(url: str) -> TokenLoadScorer:
     """A replica's scorer; the generous timeout is for loaded CI machines."""
     return load_scorer(redis_url=url, share_interval_s=INTERVAL_S, share_ttl_s=0.5,
                        redis_timeout_s=2.0)
-
-
-async def until(check: object, limit_s: float = 5.0) -> None:
-    assert callable(check)
-    for _ in range(int(limit_s / 0.02)):
-        if check():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 async def charge(s: TokenLoadScorer, engine: str, max_tokens: int) -> CycleState:
