@@ -427,7 +427,7 @@ class KvPlacementScorer(
         if self.p.redis_url is None or self.shared is not None:
             return
         self.shared = start_placement_share(self.p.redis_url.get_secret_value(),
-                                            self.apply_shared)
+                                            self.apply_shared, self.name)
 
     async def stop(self) -> None:
         shared, self.shared = self.shared, None

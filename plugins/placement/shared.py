@@ -10,7 +10,8 @@ conversation it never saw as a new session, and moved it (``bench.steady_sim --r
 8 engines: hit ratio 0.787 / 0.913 with / without headers against 0.906 / 0.964 for one
 router; docs/routing.md "Three replicas"). So every dispatch's memory is also told to the other
 replicas, through a :class:`~kvgate.plugins.common.broadcast.Broadcast` on the channel
-``<prefix>placement`` (batched every 50 ms; a session's next turn comes seconds later):
+``<prefix>placement:<plugin name>`` (batched every 50 ms; a session's next turn comes seconds
+later):
 
 * ``["s", session digest, engine, tokens]``: a session (header) inserted ``tokens`` into
   ``engine``. The digest (blake2b-128 of the scoped session key, as the session table's Redis
@@ -115,11 +116,13 @@ def apply_told(told: SessionTold | ConversationTold | None, own: SessionInsertio
     return False
 
 
-def start_placement_share(url: str, receive: Receive, prefix: str = "kvgate:") -> Broadcast:
-    """A started broadcast of the placement's session memory on ``url``."""
+def start_placement_share(url: str, receive: Receive, plugin: str,
+                          prefix: str = "kvgate:") -> Broadcast:
+    """A started broadcast of the session memory of the placement scorer named ``plugin`` on
+    ``url`` (one channel per scorer: two scorers of one config never mix their memories)."""
     pub, sub = connect_pair(url, TIMEOUT_S)
     share = Broadcast(pub, sub, receive, Channel(
-        prefix + "placement", "shared_placement", "shared placement memory",
+        f"{prefix}placement:{plugin}", "shared_placement", "shared placement memory",
         "this replica's own session memory"), me=replica_id(), flush_s=FLUSH_S,
         timeout_s=TIMEOUT_S, retry_s=RETRY_S, max_pending=MAX_PENDING)
     share.start()
