@@ -17,7 +17,8 @@ Scenarios (``--scenario``), each a same-run comparison (systems rotated per tria
   flow control with ``session_order: las`` vs ``fifo``. Reported: TTFT p99 and max, short
   sessions' completion time (median, p90).
 * ``replicas`` -- the noisy neighbour through 1 gateway vs 2 replicas sharing fairness through
-  Redis (and 2 without): B's TTFT p99 ratio to B alone on 1 replica.
+  Redis (and 2 without): B's TTFT p99 ratio to B alone on 1 replica (and, for 2 replicas
+  with Redis, to B alone on those 2).
 * ``priorities`` -- interactive streams alone vs with a saturating ``batch`` band (requests
   with ``x-kvgate-priority: batch``); flow control on. Reported: interactive TTFT p99 ratio.
 
@@ -531,12 +532,13 @@ def run_replicas(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
     """B's TTFT ratio (flood / alone) through 1 replica vs 2 replicas sharing Redis (and 2
     without): N replicas behaving like one means the same ratio."""
     cells_of = [("1r/alone", Setup(args.engines), False),
+                ("2r-redis/alone", Setup(args.engines, replicas=2, redis=True), False),
                 ("1r/flood", Setup(args.engines), True),
                 ("2r-redis/flood", Setup(args.engines, replicas=2, redis=True), True),
                 ("2r-local/flood", Setup(args.engines, replicas=2), True)]
     trials = []
     for trial in range(args.trials):
-        order = cells_of if trial % 2 == 0 else [cells_of[0], *reversed(cells_of[1:])]
+        order = cells_of if trial % 2 == 0 else [*cells_of[:2], *reversed(cells_of[2:])]
         cells: dict[str, Any] = {}
         for label, setup, flood_on in order:
             with systems(root, setup) as (gateways, urls, keys):
@@ -547,6 +549,9 @@ def run_replicas(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
         base = cells["1r/alone"]["B"]["ttft_p99_s"]
         for label in ("1r/flood", "2r-redis/flood", "2r-local/flood"):
             cells[f"{label}/ratio_p99"] = _ratio(cells[label]["B"]["ttft_p99_s"], base)
+        # the two replicas' own light-load tail as the base (what a second hop adds alone)
+        cells["2r-redis/flood/ratio_p99_own_alone"] = _ratio(
+            cells["2r-redis/flood"]["B"]["ttft_p99_s"], cells["2r-redis/alone"]["B"]["ttft_p99_s"])
         trials.append(cells)
     return trials
 
@@ -594,7 +599,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                          "las_max_ttft_s", "fifo_max_ttft_s"],
             "priorities": ["ratio_p99", *(f"{n}/ratio_p99" for n in names)],
             "replicas": ["1r/flood/ratio_p99", "2r-redis/flood/ratio_p99",
-                         "2r-local/flood/ratio_p99"]}[args.scenario]
+                         "2r-local/flood/ratio_p99", "2r-redis/flood/ratio_p99_own_alone"]
+            }[args.scenario]
     medians = {k: _median(trials, k) for k in keys}
     out = {"scenario": args.scenario, "args": {**vars(args), "root_path": args.root},
            "machine": machine_info(),

@@ -86,7 +86,7 @@ from kvgate.plugins.prefix.events.subscriber import KvEventsSubscriber
 from kvgate.plugins.prefix.index.index import HashingError, KvIndex, engine_of
 from kvgate.plugins.prefix.producer_params import ProducerParams
 from kvgate.plugins.prefix.record_chains import EVENTS, ChainMemo
-from kvgate.plugins.prefix.shared_record import RecordShare, start_record_share
+from kvgate.plugins.prefix.shared_record import RecordMetrics, RecordShare, start_record_share
 from kvgate.plugins.prefix.shared_tier import SHARED_HOLDER, fold_shared
 
 #: No engine routed on KV events (the record-only match's ``precise_engines``).
@@ -208,11 +208,12 @@ class PrefixCacheProducer(
 
     def collector(self) -> Collector:
         """The states' metrics in mode auto without a kv-events plugin (every engine
-        ``approximate``: a fallback, so it is exported). Mode approximate exports none: its
-        states never change, and a second producer would register the same names."""
-        if self._owns_health and self.p.mode == "auto":
-            return self.states.collector()
-        return NoMetrics()
+        ``approximate``: a fallback, so it is exported; mode approximate exports none: its
+        states never change, and a second producer would register the same names), and with
+        ``redis_url`` the shared record's ``kvgate_prefix_record_shared_*`` (once started)."""
+        states = self.states.collector() if self._owns_health and self.p.mode == "auto" \
+            else NoMetrics()
+        return RecordMetrics(states, lambda: self.shared)
 
     # -- hashing and matching ---------------------------------------------------------------
     def prompt_hashes(

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 
 from kvgate.middleware.framework.types import EndpointId
 from kvgate.plugins.common.broadcast import (
@@ -32,6 +35,7 @@ from kvgate.plugins.common.broadcast import (
     TIMEOUT_S,
     Broadcast,
     Channel,
+    broadcast_families,
     connect_pair,
     items_of,
 )
@@ -98,6 +102,21 @@ class RecordShare(Broadcast):
         return True
 
 
+class RecordMetrics(Collector):
+    """The producer's own metrics, then the shared record's ``kvgate_prefix_record_shared_*``
+    (items published, skipped as repeats, received, dropped; errors; down) while it runs."""
+
+    def __init__(self, own: Collector, share: Callable[[], RecordShare | None]) -> None:
+        self._own = own
+        self._share = share
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._own.collect()
+        share = self._share()
+        if share is not None:
+            yield from broadcast_families("kvgate_prefix_record_shared", share.stats)
+
+
 def start_record_share(url: str, apply: Apply, prefix: str = "kvgate:") -> RecordShare:
     """A started :class:`RecordShare` on ``url`` with the broadcast's defaults."""
     pub, sub = connect_pair(url, TIMEOUT_S)
@@ -107,4 +126,4 @@ def start_record_share(url: str, apply: Apply, prefix: str = "kvgate:") -> Recor
     return share
 
 
-__all__ = ["RecordShare", "connect_pair", "decode", "start_record_share"]
+__all__ = ["RecordMetrics", "RecordShare", "connect_pair", "decode", "start_record_share"]

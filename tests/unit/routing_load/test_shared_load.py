@@ -9,6 +9,7 @@ import json
 from collections.abc import Callable, Iterator
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from kvgate.middleware.framework.types import CycleState, Outcome, OutcomeKind, RoutingDecision
 from kvgate.plugins.load.loads import EngineLoad
@@ -105,7 +106,13 @@ async def test_redis_down_falls_back_to_own_load(redis_server: RedisServer) -> N
 
 async def test_record_insertions_reach_the_other_replicas(redis_server: RedisServer) -> None:
     """The approximate record's insertions on replica A are applied on B (not back on A)."""
-    from kvgate.plugins.prefix.shared_record import RecordShare, connect_pair, decode
+    from kvgate.middleware.framework.plugin import NoMetrics
+    from kvgate.plugins.prefix.shared_record import (
+        RecordMetrics,
+        RecordShare,
+        connect_pair,
+        decode,
+    )
 
     got: dict[str, list[tuple[str, list[int]]]] = {"a": [], "b": []}
     shares = []
@@ -126,6 +133,11 @@ async def test_record_insertions_reach_the_other_replicas(redis_server: RedisSer
         a.publish("e1", [1, 2, 2**63 + 5])
         await until(lambda: got["b"] == [("e1", [1, 2, 2**63 + 5])])
         assert got["a"] == [] and a.stats.published == 1
+        registry = CollectorRegistry()
+        registry.register(RecordMetrics(NoMetrics(), lambda: b))
+        text = generate_latest(registry).decode()
+        assert 'kvgate_prefix_record_shared_items_total{outcome="received"} 1.0' in text
+        assert "kvgate_prefix_record_shared_down 0.0" in text
         assert decode(b'{"from":"x","items":[["e0",[1,"2"]],["e0",[3]],[1,[2]]]}', "b") == [
             ("e0", [3])]
         assert decode(b'{"from":"b","items":[["e0",[3]]]}', "b") == []  # its own
