@@ -350,8 +350,17 @@ class FlowControl(Plugin):
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(self.p.poll_s)
+            self.saturation.pacers = self._replicas()
             if not self.queue.is_empty():
                 self._pump()
+
+    def _replicas(self) -> int:
+        """Replicas sharing the fleet, as the fairness exchange last saw them (1 without it,
+        or while Redis is down: then each replica is on its own)."""
+        shared = self.shared
+        if shared is None or shared.stats.down:
+            return 1
+        return 1 + shared.stats.replicas
 
     # -- Filter ----------------------------------------------------------------------------
     def filter(self, req: InferenceRequest, state: CycleState,

@@ -111,6 +111,11 @@ class Saturation:
     def __init__(self, params: FlowParams) -> None:
         self.p = params
         self._learned: dict[str, _Learned] = {}
+        #: Gateway replicas pacing the same engines (this one and the others the fairness
+        #: exchange saw last round; 1 without Redis): each paces at that many times
+        #: ``over_share_pace_s``, so the fleet's over-share admissions enter an engine at one
+        #: gateway's interval, not N times as often.
+        self.pacers = 1
         #: Limit changes (cuts and probes), for /metrics.
         self.cuts = 0
         self.probes = 0
@@ -165,10 +170,11 @@ class Saturation:
             learned.paced_at = now
 
     def paced(self, ep: Endpoint, now: float) -> bool:
-        """Whether ``ep`` took an over-share request less than ``over_share_pace_s`` ago."""
+        """Whether ``ep`` took an over-share request from this replica less than
+        ``over_share_pace_s`` x :attr:`pacers` ago."""
         learned = self._learned.get(ep.id)
         at = None if learned is None else learned.paced_at
-        return at is not None and now - at < self.p.over_share_pace_s
+        return at is not None and now - at < self.p.over_share_pace_s * self.pacers
 
     def unpaced_open(self, eps: Sequence[Endpoint], now: float) -> int | None:
         """Serving engines with a free slot past their reserve that an over-share request may

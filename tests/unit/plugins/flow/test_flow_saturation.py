@@ -272,3 +272,41 @@ def test_an_engine_without_queue_metrics_is_not_held_at_the_slow_start(
     assert view.blind == () and view.engines[0].limit == 16
     before_scrape = Saturation(FlowParams()).view([_ep(in_flight=40)], 0.0)
     assert before_scrape.engines[0].limit == 32 and before_scrape.blind == ()
+
+
+# (case, replicas the fairness exchange saw besides this one (None: no exchange), Redis down,
+#  seconds since this replica sent an over-share request to the engine, paced?)
+PACERS = [
+    ("one gateway: the interval is over_share_pace_s", None, False, 1.5, False),
+    ("two replicas: each paces at twice the interval", 1, False, 1.5, True),
+    ("... and no longer than that", 1, False, 2.5, False),
+    ("four replicas", 3, False, 3.5, True),
+    ("Redis down: each replica is on its own again", 3, True, 1.5, False),
+]
+
+
+@pytest.mark.parametrize(("case", "others", "down", "since", "paced"), PACERS,
+                         ids=[c[0] for c in PACERS])
+def test_replicas_pace_together_at_one_gateways_interval(
+        case: str, others: int | None, down: bool, since: float, paced: bool) -> None:
+    """With N replicas each pacing its own over-share admissions, an engine would take N per
+    interval; each paces at N x ``over_share_pace_s`` (N from the fairness exchange)."""
+    from kvgate.plugins.flow.plugin import FlowControl
+    from kvgate.plugins.load.shared_load import ExchangeStats
+
+    class _NoLookup:
+        def lookup(self, name: str) -> object:
+            raise KeyError(name)
+
+    class _Exchange:
+        def __init__(self, replicas: int, down: bool) -> None:
+            self.stats = ExchangeStats(replicas=replicas, down=down)
+
+    flow = FlowControl("flow-control", FlowParams(over_share_pace_s=1.0), _NoLookup())
+    if others is not None:
+        flow.shared = _Exchange(others, down)  # type: ignore[assignment]
+    flow.saturation.pacers = flow._replicas()
+    ep = _ep("e0")
+    flow.saturation.headroom([ep], 100.0)  # the engine is known
+    flow.saturation.pace("e0", 100.0)
+    assert flow.saturation.paced(ep, 100.0 + since) is paced
