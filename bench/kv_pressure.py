@@ -86,6 +86,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "workloads of seeds seed..seed+N-1, nothing reset between them")
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--kv-cache-bytes", type=int, default=KV_CACHE_BYTES)
+    p.add_argument("--engines", type=int, default=2, choices=range(2, 9), metavar="2..8",
+                   help="vLLM CPU engines (each its own process; 2 cores run 4 slowly)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--venv-root", type=Path, default=venvs.DEFAULT_ROOT)
     args = p.parse_args(argv)
@@ -229,7 +231,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.steady:  # the engines serve POST /reset_prefix_cache (reset between systems)
         os.environ.setdefault(kv_steady.DEV_MODE_ENV, "1")
     model_dir = ensure_model(0)
-    engines = start_fleet(2, kv_cache_bytes=args.kv_cache_bytes, kv_events_bind=True)
+    engines = start_fleet(args.engines, kv_cache_bytes=args.kv_cache_bytes,
+                          kv_events_bind=True)
     try:
         fleet = fleet_of(engines, model_dir)
         doc: dict[str, Any] = {
@@ -237,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "command": shlex.join([sys.executable, "-m", "bench.kv_pressure",
                                    *(argv if argv is not None else sys.argv[1:])]),
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-            "seed": args.seed, "kv_cache_bytes": args.kv_cache_bytes,
+            "seed": args.seed, "kv_cache_bytes": args.kv_cache_bytes, "engines": args.engines,
             "kv_blocks": {e.name: kv_blocks(e.url) for e in engines},
             "workloads": {}, "runs": [],
         }
