@@ -27,7 +27,7 @@ from kvgate.plugins.placement.conversations import Turn
 from kvgate.plugins.placement.scorer import KvPlacementScorer
 from kvgate.plugins.placement.shared import ConversationTold, SessionTold, parse
 from kvgate.plugins.prefix.index.hashing import chain_hashes
-from tests.servers import REDIS_SERVER, RedisServer, free_port
+from tests.servers import RedisServer
 from tests.unit.routing_load.helpers import Lookup, ep, req, until
 
 CAP = 10_000  # tokens per engine
@@ -151,19 +151,6 @@ def test_what_is_told_for_an_engine_this_replica_does_not_route_to_is_skipped() 
     assert not s.apply_shared(["s", "ab12", "elsewhere", 300])
     assert s.apply_shared(["s", "ab12", "e0", 300])
     assert s.metrics_view().own_sessions == 1
-
-
-@pytest.fixture
-def redis_server() -> Any:
-    if REDIS_SERVER is None:
-        pytest.skip("redis-server not installed")
-    pytest.importorskip("redis", reason="the 'redis' package is not installed (kvgate[redis])")
-    server = RedisServer(free_port())
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 async def test_replicas_tell_each_other_through_redis(redis_server: RedisServer) -> None:

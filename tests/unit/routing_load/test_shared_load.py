@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -15,7 +15,7 @@ from kvgate.middleware.framework.types import CycleState, Outcome, OutcomeKind, 
 from kvgate.plugins.load.loads import EngineLoad
 from kvgate.plugins.load.shared_load import merge_loads
 from kvgate.plugins.load.token_load import TokenLoadScorer
-from tests.servers import REDIS_SERVER, RedisServer, free_port
+from tests.servers import REDIS_SERVER, RedisServer
 from tests.unit.routing_load.helpers import ep, load_scorer, req, until
 
 pytest.importorskip("redis", reason="the 'redis' package is not installed (kvgate[redis])")
@@ -34,16 +34,6 @@ INTERVAL_S = 0.05
 ])
 def test_merge_loads(raws: list[bytes | None], expected: dict[str, EngineLoad]) -> None:
     assert merge_loads(raws) == expected
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer(free_port())
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def scorer(url: str) -> TokenLoadScorer:

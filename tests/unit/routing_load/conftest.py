@@ -1,0 +1,24 @@
+"""Fixtures of the routing/load plugin tests that need a real ``redis-server``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.servers import REDIS_SERVER, RedisServer, free_port
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A fresh ``redis-server`` on a free loopback port (skipped without one, or without the
+    ``redis`` package)."""
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server not installed (apt-get install -y redis-server)")
+    pytest.importorskip("redis", reason="the 'redis' package is not installed (kvgate[redis])")
+    server = RedisServer(free_port())
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
