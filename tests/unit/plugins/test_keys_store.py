@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from kvgate.plugins.tenancy.keys_store import (
     set_tenant,
     update_file,
 )
-from tests.servers import REDIS_SERVER, RedisServer
+from tests.servers import RedisServer
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
@@ -172,16 +172,6 @@ def test_an_empty_keys_file_is_refused_not_read_as_no_keys(tmp_path: Path, text:
     assert path.read_text() == text
     path.write_text("keys: []\n")
     assert read_keys_file(path).keys == ()
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    if REDIS_SERVER is None:
-        pytest.skip("redis-server not installed")
-    server = RedisServer()
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture

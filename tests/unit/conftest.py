@@ -1,4 +1,4 @@
-"""Fixtures of the routing/load plugin tests that need a real ``redis-server``."""
+"""Fixtures shared by the unit tests: a real ``redis-server`` for the plugins that talk to one."""
 
 from __future__ import annotations
 
