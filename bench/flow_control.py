@@ -15,7 +15,11 @@ Scenarios (``--scenario``), each a same-run comparison (systems rotated per tria
   (many turns, long context, from the start) and ``--short-sessions`` short ones (starting over
   the measured window, after ``--warmup``), all closed loops, behind
   flow control with ``session_order: las`` vs ``fifo``. Reported: TTFT p99 and max, short
-  sessions' completion time (median, p90).
+  sessions' completion time (median, p90). ``--replicas N``: the same through N replicas
+  sharing Redis, each turn sent to one at random (a per-request balancer): fifo, las (the
+  sessions' service shared between replicas), las-local (``share_sessions: false``: each
+  replica ranks by its own part of a session's service) and las through one gateway;
+  JSON ``..._sessions_<N>r.json``.
 * ``replicas`` -- the noisy neighbour through 1 gateway vs 2 replicas sharing fairness through
   Redis (and 2 without): B's TTFT p99 ratio to B alone on 1 replica (and, for 2 replicas
   with Redis, to B alone on those 2).
@@ -218,11 +222,15 @@ async def _call(session: aiohttp.ClientSession, url: str, key: str, body: dict[s
         return True
 
 
-async def agent(url: str, key: str, sid: str, turns: int, ctx_words: int, out_tokens: int,
-                think_s: float, stop: float, tally: Tally, seed: int,
+async def agent(url: str | Sequence[str], key: str, sid: str, turns: int, ctx_words: int,
+                out_tokens: int, think_s: float, stop: float, tally: Tally, seed: int,
                 headers: dict[str, str] | None = None, model: str = MODEL) -> None:
-    """A closed-loop agent session: each turn resends the history plus a new message."""
+    """A closed-loop agent session: each turn resends the history plus a new message. With
+    several gateway URLs each turn goes to one drawn at random (seeded): a per-request
+    balancer in front of replicas."""
     rng = random.Random(seed)
+    urls = [url] if isinstance(url, str) else list(url)
+    balancer = random.Random(seed ^ 0x5EED)
     history: list[dict[str, str]] = [{"role": "system", "content": _text(rng, ctx_words)}]
     start = time.monotonic()
     timeout = aiohttp.ClientTimeout(total=600)
@@ -233,7 +241,7 @@ async def agent(url: str, key: str, sid: str, turns: int, ctx_words: int, out_to
             history.append({"role": "user", "content": f"{sid} turn {turn}: " + _text(rng, 40)})
             body = {"model": model, "messages": history, "max_tokens": out_tokens,
                     "stream": True, "ignore_eos": True}
-            await _call(session, url, key, body,
+            await _call(session, urls[balancer.randrange(len(urls))], key, body,
                         {"x-session-affinity": sid, **(headers or {})}, tally)
             history.append({"role": "assistant", "content": _text(rng, out_tokens // 2)})
             await asyncio.sleep(think_s)
@@ -418,7 +426,7 @@ def run_noisy(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
     return trials
 
 
-async def _sessions_cell(url: str, keys: dict[str, str], args: argparse.Namespace,
+async def _sessions_cell(url: Sequence[str], keys: dict[str, str], args: argparse.Namespace,
                          seed: int) -> dict[str, Any]:
     """The long sessions start together and run ``warmup + duration``; the short ones start
     evenly over the measured ``duration`` after ``warmup`` (the fleet saturated by then, the
@@ -442,27 +450,45 @@ async def _later(delay: float, work: Any) -> None:
     await work
 
 
+def _sessions_systems(args: argparse.Namespace) -> dict[str, Setup]:
+    """fifo and las through one gateway; with ``--replicas N``, through N replicas sharing
+    Redis (las: the sessions' service shared; las-local: each replica's own counters, as
+    before it was shared) and las through one gateway as the reference."""
+    las: dict[str, Any] = {"session_order": "las",
+                           **({"aging_tokens_per_s": args.aging} if args.aging else {})}
+    if args.replicas <= 1:
+        return {"fifo": Setup(args.engines, flow={"session_order": "fifo"}),
+                "las": Setup(args.engines, flow=las)}
+    n = args.replicas
+    return {"fifo": Setup(args.engines, flow={"session_order": "fifo"}, replicas=n, redis=True),
+            "las": Setup(args.engines, flow=las, replicas=n, redis=True),
+            "las-local": Setup(args.engines, flow={**las, "share_sessions": False},
+                               replicas=n, redis=True),
+            "las-1r": Setup(args.engines, flow=las)}
+
+
 def run_sessions(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
-    systems = {"fifo": Setup(args.engines, flow={"session_order": "fifo"}),
-               "las": Setup(args.engines, flow={"session_order": "las",
-                                                **({"aging_tokens_per_s": args.aging}
-                                                   if args.aging else {})})}
+    systems_ = _sessions_systems(args)
     trials = []
     for trial in range(args.trials):
-        names = list(systems) if trial % 2 == 0 else list(reversed(systems))
+        names = list(systems_) if trial % 2 == 0 else list(reversed(systems_))
         cells: dict[str, Any] = {}
         for name in names:
-            with system(root, systems[name]) as (url, _, keys):
-                cells[name] = asyncio.run(_sessions_cell(url, keys, args, 100 * trial + 3))
+            with systems(root, systems_[name]) as (gateways, _, keys):
+                cells[name] = asyncio.run(_sessions_cell(gateways, keys, args,
+                                                         100 * trial + 3))
             print(name, json.dumps(cells[name]), flush=True)
-        cells["ratio_ttft_p99"] = _ratio(cells["fifo"]["all"]["ttft_p99_s"],
-                                         cells["las"]["all"]["ttft_p99_s"])
-        cells["ratio_short_ttft_p99"] = _ratio(cells["fifo"]["short"]["ttft_p99_s"],
-                                               cells["las"]["short"]["ttft_p99_s"])
-        cells["las_max_ttft_s"] = cells["las"]["all"]["ttft_max_s"]
+        for las in [n for n in cells if n.startswith("las")]:
+            suffix = las[3:]
+            cells[f"ratio_ttft_p99{suffix}"] = _ratio(cells["fifo"]["all"]["ttft_p99_s"],
+                                                      cells[las]["all"]["ttft_p99_s"])
+            cells[f"ratio_short_ttft_p99{suffix}"] = _ratio(
+                cells["fifo"]["short"]["ttft_p99_s"], cells[las]["short"]["ttft_p99_s"])
+            cells[f"ratio_short_session_p50{suffix}"] = _ratio(
+                cells["fifo"]["short"]["session_time_p50_s"],
+                cells[las]["short"]["session_time_p50_s"])
+            cells[f"{las}_max_ttft_s"] = cells[las]["all"]["ttft_max_s"]
         cells["fifo_max_ttft_s"] = cells["fifo"]["all"]["ttft_max_s"]
-        cells["ratio_short_session_p50"] = _ratio(cells["fifo"]["short"]["session_time_p50_s"],
-                                                  cells["las"]["short"]["session_time_p50_s"])
         trials.append(cells)
     return trials
 
@@ -580,6 +606,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--long-sessions", type=int, default=64,
                    help="closed loops, more than the fleet's slots: the fleet stays saturated")
     p.add_argument("--short-sessions", type=int, default=40)
+    p.add_argument("--replicas", type=int, default=1,
+                   help="sessions: through this many replicas sharing Redis (each turn to one "
+                        "at random), with and without the sessions' service shared")
     p.add_argument("--aging", type=float, default=None,
                    help="sessions: the las system's aging_tokens_per_s (default: the plugin's)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
@@ -595,8 +624,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     trials = run[args.scenario](args, Path(args.root))
     names = [spec.partition("=")[0] for spec in args.variant]
     keys = {"noisy": ["off/ratio_p99", "on/ratio_p99", *(f"{n}/ratio_p99" for n in names)],
-            "sessions": ["ratio_ttft_p99", "ratio_short_ttft_p99", "ratio_short_session_p50",
-                         "las_max_ttft_s", "fifo_max_ttft_s"],
+            "sessions": [f"{r}{x}" for x in ("", "-local", "-1r") for r in (
+                "ratio_ttft_p99", "ratio_short_ttft_p99", "ratio_short_session_p50")]
+            + ["las_max_ttft_s", "las-local_max_ttft_s", "fifo_max_ttft_s"],
             "priorities": ["ratio_p99", *(f"{n}/ratio_p99" for n in names)],
             "replicas": ["1r/flood/ratio_p99", "2r-redis/flood/ratio_p99",
                          "2r-local/flood/ratio_p99", "2r-redis/flood/ratio_p99_own_alone"]
@@ -608,6 +638,8 @@ def main(argv: Sequence[str] | None = None) -> None:
            if args.engine_kind == "sim" else "vLLM CPU engines, the tiny model, one core each",
            "medians": medians, "trials": trials}
     kind = "" if args.engine_kind == "sim" else f"_{args.engine_kind}"
+    if args.scenario == "sessions" and args.replicas > 1:
+        kind += f"_{args.replicas}r"
     path = Path(f"bench/results/flow_control_{args.scenario}{kind}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))

@@ -15,7 +15,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from kvgate.plugins.flow.saturation import FleetView
-from kvgate.plugins.load.shared_load import LoadExchange
+from kvgate.plugins.flow.shared import FlowShare
 
 #: Wait buckets [s]: from the fast path's sub-millisecond to the 60 s TTL.
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -45,7 +45,7 @@ class FlowMetrics(Collector):
     def __init__(self, view: Callable[[], FleetView | None],
                  queued: Callable[[str], int], bands: tuple[str, ...],
                  evictions: Callable[[], dict[str, int]],
-                 shared: Callable[[], LoadExchange | None]) -> None:
+                 shared: Callable[[], FlowShare | None]) -> None:
         self._view = view
         self._shared = shared
         self._evictions = evictions
@@ -96,18 +96,7 @@ class FlowMetrics(Collector):
         yield evicted
         shared = self._shared()
         if shared is not None:
-            st = shared.stats
-            yield GaugeMetricFamily("kvgate_flow_shared_down", "1 while Redis is unreachable "
-                                    "(fairness from this replica's counters only)",
-                                    value=int(st.down))
-            yield GaugeMetricFamily("kvgate_flow_shared_replicas", "Other replicas whose "
-                                    "served tokens were read in the last round",
-                                    value=st.replicas)
-            rounds = CounterMetricFamily("kvgate_flow_shared_rounds", "Fairness exchange "
-                                         "rounds by result", labels=["result"])
-            rounds.add_metric(["ok"], st.rounds)
-            rounds.add_metric(["error"], st.errors)
-            yield rounds
+            yield from shared.families()
         queued = GaugeMetricFamily("kvgate_flow_queued", "Requests waiting in the gateway's "
                                    "flow-control queue now", labels=["band"])
         for band in self._bands:

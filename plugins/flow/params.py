@@ -150,6 +150,9 @@ class FlowParams(BaseModel):
     #: logged).
     redis_url: SecretStr | None = None
     redis_prefix: str = Field("kvgate:flow:", min_length=1, max_length=64)
+    #: With ``redis_url``: tell the other replicas each session's served tokens, so a session
+    #: whose turns spread over replicas ranks by its whole service (least attained service).
+    share_sessions: bool = True
     #: [s] Publish/read period: 0.2 s, as the token-load exchange (a fairness decision lags
     #: the other replicas by less than one typical request).
     share_interval_s: float = Field(0.2, gt=0, le=60)

@@ -79,8 +79,8 @@ from kvgate.plugins.flow.params import (
 )
 from kvgate.plugins.flow.queue import FlowQueue, Waiter
 from kvgate.plugins.flow.saturation import FleetView, Saturation
-from kvgate.plugins.flow.shared import exchange
-from kvgate.plugins.load.shared_load import LoadExchange
+from kvgate.plugins.flow.shared import FlowShare
+from kvgate.plugins.load.session_table import session_digest
 
 log = logging.getLogger("kvgate.flow")
 ANONYMOUS = "anonymous"
@@ -137,8 +137,8 @@ class FlowControl(Plugin):
         self._task: asyncio.Task[None] | None = None
         self._labels = TenantLabels(params.max_tenant_labels)
         self._cuts = self._probes = 0
-        #: The fairness exchange with the other replicas (``redis_url``), once started.
-        self.shared: LoadExchange | None = None
+        #: The fairness shared with the other replicas (``redis_url``), once started.
+        self.shared: FlowShare | None = None
         #: Schedulings where every candidate engine was saturated (the filter kept them all).
         self.unfiltered = 0
         self.metrics = FlowMetrics(
@@ -273,10 +273,11 @@ class FlowControl(Plugin):
         return band
 
     def _session(self, req: InferenceRequest) -> str | None:
+        """The request's session as its digest (what the replicas tell each other)."""
         for name in self.p.session_headers:
             value = req.headers.get(name)
             if value:
-                return value[:256]
+                return session_digest(value[:256])
         return None
 
     # -- the pump --------------------------------------------------------------------------
@@ -355,12 +356,8 @@ class FlowControl(Plugin):
                 self._pump()
 
     def _replicas(self) -> int:
-        """Replicas sharing the fleet, as the fairness exchange last saw them (1 without it,
-        or while Redis is down: then each replica is on its own)."""
-        shared = self.shared
-        if shared is None or shared.stats.down:
-            return 1
-        return 1 + shared.stats.replicas
+        """Replicas sharing the fleet (1 without Redis or while it is down)."""
+        return 1 if self.shared is None else self.shared.replicas()
 
     # -- Filter ----------------------------------------------------------------------------
     def filter(self, req: InferenceRequest, state: CycleState,
@@ -423,8 +420,10 @@ class FlowControl(Plugin):
         self.fair.served(ticket.tenant, cost)
         self.fair.used(ticket.tenant, self.fair.cost(usage.prompt_tokens,
                                                      usage.completion_tokens))
-        self.fair.session_served(ticket.tenant, ticket.session,
-                                 usage.prompt_tokens + usage.completion_tokens)
+        tokens = usage.prompt_tokens + usage.completion_tokens
+        self.fair.session_served(ticket.tenant, ticket.session, tokens)
+        if self.shared is not None:
+            self.shared.served(ticket.tenant, ticket.session, tokens)
 
     async def on_request_end(self, req: InferenceRequest, state: CycleState,
                              status: int) -> None:
@@ -450,9 +449,7 @@ class FlowControl(Plugin):
         if self._task is None:
             self._task = asyncio.create_task(self._tick(), name=f"kvgate-flow-{self.name}")
         if self.shared is None:
-            self.shared = exchange(self.p, self.fair)
-            if self.shared is not None:
-                self.shared.start()
+            self.shared = FlowShare.started(self.p, self.fair, self.name)
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -22,6 +22,7 @@ from kvgate.middleware.framework.composition.quickstart import config_from_engin
 from kvgate.middleware.framework.errors import ConfigError
 from kvgate.middleware.observe.access_log import LOGGER
 from kvgate.plugins.flow.plugin import FlowControl
+from kvgate.plugins.load.session_table import session_digest
 from kvgate.plugins.tenancy.keys_model import hash_key, new_key
 from tests.integration.conftest import gateway, gateway_config, sim_fleet
 
@@ -257,6 +258,40 @@ async def test_replicas_share_the_tenants_served_tokens(redis_db: Any) -> None:
             assert health["shared_load"] == "ok"
             metrics = (await c1.get("/metrics")).text
             assert "kvgate_flow_shared_down 0.0" in metrics
+
+
+async def test_replicas_share_each_sessions_service(redis_db: Any) -> None:
+    """A session served through replica 1 has that service on replica 2 too (least attained
+    service ranks it by its whole service there), keyed by a digest: the session id never
+    reaches Redis; /health and /metrics say so; Redis killed: degraded, requests still served."""
+    async with sim_fleet(1) as sims:
+        data = _flow_config([sims[0].url], max_in_flight_per_engine=8,
+                            redis_url=redis_db.url, share_interval_s=0.05)
+        async with gateway(data) as (app1, c1), gateway(data) as (app2, c2):
+            one, two = _flow(app1), _flow(app2)
+            for turn in range(2):
+                resp = await c1.post(CHAT, json=_body(f"turn {turn}", 16),
+                                     headers={"x-session-affinity": "agent-7"})
+                assert resp.status_code == 200
+            digest = session_digest("agent-7")
+            served = one.fair.attained("anonymous", digest)
+            assert served > 0
+            await _until(lambda: two.fair.attained("anonymous", digest) == served)
+            assert two.fair.attained("anonymous", session_digest("other")) == 0
+            health = (await c2.get("/health")).json()["plugins"]["flow-control"]
+            assert health["shared_sessions"] == "ok"
+            metrics = (await c2.get("/metrics")).text
+            assert 'kvgate_flow_shared_sessions_items_total{outcome="received"} 2.0' in metrics
+            assert "kvgate_flow_shared_sessions_down 0.0" in metrics
+            redis_db.stop()
+            resp = await c1.post(CHAT, json=_body("turn 3", 16),
+                                 headers={"x-session-affinity": "agent-7"})
+            assert resp.status_code == 200
+            assert one.fair.attained("anonymous", digest) > served
+            await _until(lambda: one.shared is not None and one.shared.sessions is not None
+                         and one.shared.sessions.stats.down)
+            health = (await c1.get("/health")).json()["plugins"]["flow-control"]
+            assert health["shared_sessions"].startswith("degraded")
 
 
 async def test_no_healthy_engine_is_a_503_at_once_not_a_wait() -> None:

@@ -292,6 +292,7 @@ def test_replicas_pace_together_at_one_gateways_interval(
     """With N replicas each pacing its own over-share admissions, an engine would take N per
     interval; each paces at N x ``over_share_pace_s`` (N from the fairness exchange)."""
     from kvgate.plugins.flow.plugin import FlowControl
+    from kvgate.plugins.flow.shared import FlowShare
     from kvgate.plugins.load.shared_load import ExchangeStats
 
     class _NoLookup:
@@ -304,7 +305,8 @@ def test_replicas_pace_together_at_one_gateways_interval(
 
     flow = FlowControl("flow-control", FlowParams(over_share_pace_s=1.0), _NoLookup())
     if others is not None:
-        flow.shared = _Exchange(others, down)  # type: ignore[assignment]
+        flow.shared = FlowShare(flow.p, flow.fair, flow.name)
+        flow.shared.tenants = _Exchange(others, down)  # type: ignore[assignment]
     flow.saturation.pacers = flow._replicas()
     ep = _ep("e0")
     flow.saturation.headroom([ep], 100.0)  # the engine is known
