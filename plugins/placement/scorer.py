@@ -312,10 +312,8 @@ class KvPlacementScorer(
                 turnover **= exponent
             cost = (prompt - h) * turnover + load_weight * queued[e]
             costs[e] = cost - p.pin_tokens if e == pinned else cost
-        home = None
-        if max(held.values()) > min(held.values()):
-            home = max(held, key=held.__getitem__)
-        return Placement(costs, home)
+        lead = max(held.values()) > min(held.values())
+        return Placement(costs, max(held, key=held.__getitem__) if lead else None)
 
     def _own_pressure(self, session: str | None, turn: Turn | None, engine: EndpointId,
                       half_life: float) -> float:
@@ -416,9 +414,8 @@ class KvPlacementScorer(
         """The decision's kind (cold, home, moved), counted; None: no placement for it."""
         if placement is None or target not in placement.costs:
             return None  # e.g. P/D: the last placement scored the prefill pool, not the target
-        kind = "cold" if placement.home is None else "home" if placement.home == target else (
-            "moved"
-        )
+        kind = ("cold" if placement.home is None
+                else "home" if placement.home == target else "moved")
         self.stats.decisions[kind] += 1
         return kind
 
@@ -460,6 +457,8 @@ class KvPlacementScorer(
     def on_endpoints_changed(
         self, added: Sequence[Endpoint], removed: Sequence[Endpoint]
     ) -> None:
+        """Added engines known at once (the others' items apply before a first request)."""
+        self._refresh_capacities(added)
         for ep in removed:
             self.ledger.forget(ep.id)
             self._own.forget_engine(ep.id)

@@ -28,6 +28,7 @@ exchange. What arrives for an engine the receiver does not route to is skipped.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Container
 from dataclasses import dataclass, replace
 from typing import Any
@@ -79,7 +80,7 @@ def conversation_item(turn: Turn, tokens: float, previous: Turn | None) -> list[
 
 
 def _number(v: Any) -> bool:
-    return type(v) in (int, float) and v >= 0
+    return type(v) in (int, float) and 0 <= v < math.inf
 
 
 def parse(item: Any) -> SessionTold | ConversationTold | None:

@@ -130,6 +130,8 @@ ITEMS: list[tuple[str, Any, object]] = [
     ("conversation continuing another", ["c", "e1", 1, 2, 40, 9, 48, 3, 5],
      ConversationTold(Turn("e1", 1.0, 0.0, 40, 9, 2, 48, 3), 5)),
     ("negative tokens", ["s", "ab12", "e0", -1], None),
+    ("infinite tokens (JSON's Infinity)", ["s", "ab12", "e0", float("inf")], None),
+    ("NaN tokens", ["c", "e1", float("nan"), 2, 40, 9, 48, 3, None], None),
     ("engine not a string", ["s", "ab12", 3, 1], None),
     ("a hash that is not an int", ["c", "e1", 1, "2", 40, 9, 48, 3, None], None),
     ("a float where an int belongs", ["c", "e1", 1, 2, 40.0, 9, 48, 3, None], None),
@@ -151,6 +153,17 @@ def test_what_is_told_for_an_engine_this_replica_does_not_route_to_is_skipped() 
     assert not s.apply_shared(["s", "ab12", "elsewhere", 300])
     assert s.apply_shared(["s", "ab12", "e0", 300])
     assert s.metrics_view().own_sessions == 1
+
+
+def test_a_replica_knows_the_fleet_before_its_first_request() -> None:
+    """A replica started into a running fleet applies what the others tell of its engines
+    from the start (the pool announces them), not only after it scored a request."""
+    s = scorer()
+    assert not s.apply_shared(["s", "ab12", "e0", 300])  # no engine known yet
+    s.on_endpoints_changed(EPS, ())
+    assert s.apply_shared(["s", "ab12", "e0", 300])
+    s.on_endpoints_changed((), EPS[:1])
+    assert not s.apply_shared(["s", "ab12", "e0", 300])
 
 
 async def test_replicas_tell_each_other_through_redis(redis_server: RedisServer) -> None:
