@@ -11,7 +11,8 @@ request *i* of a session to another replica than request *i - 1*.
   traffic over the same replicas started without ``--redis`` moved 6 of 6 sessions, each turn
   to another engine: run by hand on 2026-11-25.) Every replica's placement remembers every
   session's own insertions, including the turns it did not route (told through Redis:
-  plugins/placement/shared.py), and says ``shared_placement: ok`` on ``/health``.
+  plugins/placement/shared.py), and says ``shared_placement: ok`` on ``/health``; flow
+  control's session counters hear the turns the other replicas served (``shared_sessions``).
 * A request in flight on one replica is seen by the others: ``kvgate_token_load_tokens`` with
   ``scope="other"`` on replica B names the engine replica A streams from.
 * redis-server killed: every replica keeps serving on its own state and says so on ``/health``
@@ -169,6 +170,14 @@ def _sessions_agree(gws: list[str]) -> None:
         wait_for(told, "every replica's placement remembers every session")
         section = httpx.get(base + "/health", timeout=10).json()["plugins"]
         assert section["kv-placement-scorer"]["shared_placement"] == "ok"
+        # flow control's least attained service counts the turns the others served
+        assert section["flow-control"]["shared_sessions"] == "ok"
+
+        def service_told(base: str = base) -> bool:
+            items = metric(base, "kvgate_flow_shared_sessions_items_total")
+            return items.get((("outcome", "received"),), 0.0) > 0
+
+        wait_for(service_told, "every replica hears the sessions' service served elsewhere")
 
 
 def _load_is_shared(gws: list[str]) -> None:
@@ -205,6 +214,7 @@ def _outage_keeps_serving(gws: list[str]) -> None:
         plugins = httpx.get(base + "/health", timeout=10).json()["plugins"]
         assert "degraded" in str(plugins["prefix-cache-producer"].get("shared_record"))
         assert "degraded" in str(plugins["kv-placement-scorer"].get("shared_placement"))
+        assert "degraded" in str(plugins["flow-control"].get("shared_sessions"))
         down = metric(base, "kvgate_shared_load_down")
         assert list(down.values()) == [1.0]
         assert httpx.get(base + "/health", timeout=10).status_code == 200
