@@ -18,8 +18,9 @@ Scenarios (``--scenario``), each a same-run comparison (systems rotated per tria
   sessions' completion time (median, p90). ``--replicas N``: the same through N replicas
   sharing Redis, each turn sent to one at random (a per-request balancer): fifo, las (the
   sessions' service shared between replicas), las-local (``share_sessions: false``: each
-  replica ranks by its own part of a session's service) and las through one gateway;
-  JSON ``..._sessions_<N>r.json``.
+  replica ranks by its own part of a session's service) and las through one gateway; the
+  replicas' routing plugins share through the same Redis as ``kvgate serve --redis`` has
+  them (``--flow-only``: flow control alone); JSON ``..._sessions_<N>r[_flow_only].json``.
 * ``replicas`` -- the noisy neighbour through 1 gateway vs 2 replicas sharing fairness through
   Redis (and 2 without): B's TTFT p99 ratio to B alone on 1 replica (and, for 2 replicas
   with Redis, to B alone on those 2).
@@ -44,6 +45,7 @@ import contextlib
 import json
 import multiprocessing
 import random
+import secrets
 import shutil
 import statistics
 import sys
@@ -69,6 +71,10 @@ MODEL = "sim-model"
 #: session (its history stays within the model's 4,096 tokens; a new session follows).
 VLLM_KV_BYTES = 1 << 30
 VLLM_B_TURNS = 12
+#: The quick start's plugins that share through ``redis_url`` what a session's turns on
+#: another replica need (``Setup.share_routing``).
+ROUTING_SHARED = ("token-load-scorer", "session-affinity-scorer", "prefix-cache-producer",
+                  "kv-placement-scorer")
 WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa",
          "lambda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon")
 
@@ -84,6 +90,9 @@ class Setup:
     #: Gateway replicas in front of the same engines; ``redis``: share fairness through one.
     replicas: int = 1
     redis: bool = False
+    #: With ``redis``: the routing plugins share through it too (session table, load,
+    #: prefix record, placement memory), as ``kvgate serve --redis`` has them.
+    share_routing: bool = False
 
 
 def _text(rng: random.Random, words: int) -> str:
@@ -102,6 +111,8 @@ def _config(urls: Sequence[str], port: int, root: Path, setup: Setup,
             if setup.flow is None:
                 continue
             plugin["params"] = {**setup.flow, **({"redis_url": redis} if redis else {})}
+        elif redis and setup.share_routing and plugin["type"] in ROUTING_SHARED:
+            plugin["params"] = {**plugin.get("params", {}), "redis_url": redis}
         if plugin["type"] == "async-queue":
             plugin["params"] = {"backend": f"sqlite://{root.resolve()}/jobs-{replica}.sqlite",
                                 "management": None}
@@ -152,6 +163,9 @@ def systems(root: Path, setup: Setup) -> Iterator[tuple[list[str], list[str], di
             urls.append(url)
         redis = stack.enter_context(redis_running(root)) if setup.redis else None
         kvgate = str(Path(sys.executable).with_name("kvgate"))
+        # one gateway secret for every replica, as a deployment gives them (else each derives
+        # its own tenant cache salts and splits a tenant's prefix cache per replica)
+        secret = secrets.token_hex(32)
         gateways = []
         for r in range(setup.replicas):
             port = procs.free_port()
@@ -160,7 +174,8 @@ def systems(root: Path, setup: Setup) -> Iterator[tuple[list[str], list[str], di
             config = _config(urls, port, root, setup, redis, r)
             log = root / f"kvgate-{r}.log"
             proc = stack.enter_context(procs.running(
-                [kvgate, "serve", "--config", str(config.resolve())], "0-1", log, cwd=cwd))
+                [kvgate, "serve", "--config", str(config.resolve())], "0-1", log,
+                env={"KVGATE_SECRET": secret}, cwd=cwd))
             url = f"http://127.0.0.1:{port}"
             procs.wait_healthy(url + "/health", proc, 60, log)
             gateways.append(url)
@@ -406,6 +421,8 @@ def run_noisy(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
     kind = args.engine_kind
     systems = {"off": Setup(args.engines, kind, flow=None), "on": Setup(args.engines, kind),
                **_variants(args)}
+    if args.skip_off:  # today's behaviour measured already: the variants against "on" only
+        del systems["off"]
     trials = []
     for trial in range(args.trials):
         names = list(systems) if trial % 2 == 0 else list(reversed(systems))
@@ -459,11 +476,11 @@ def _sessions_systems(args: argparse.Namespace) -> dict[str, Setup]:
     if args.replicas <= 1:
         return {"fifo": Setup(args.engines, flow={"session_order": "fifo"}),
                 "las": Setup(args.engines, flow=las)}
-    n = args.replicas
-    return {"fifo": Setup(args.engines, flow={"session_order": "fifo"}, replicas=n, redis=True),
-            "las": Setup(args.engines, flow=las, replicas=n, redis=True),
-            "las-local": Setup(args.engines, flow={**las, "share_sessions": False},
-                               replicas=n, redis=True),
+    shared: dict[str, Any] = {"replicas": args.replicas, "redis": True,
+                              "share_routing": not args.flow_only}
+    return {"fifo": Setup(args.engines, flow={"session_order": "fifo"}, **shared),
+            "las": Setup(args.engines, flow=las, **shared),
+            "las-local": Setup(args.engines, flow={**las, "share_sessions": False}, **shared),
             "las-1r": Setup(args.engines, flow=las)}
 
 
@@ -609,11 +626,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--replicas", type=int, default=1,
                    help="sessions: through this many replicas sharing Redis (each turn to one "
                         "at random), with and without the sessions' service shared")
+    p.add_argument("--flow-only", action="store_true",
+                   help="sessions with --replicas: only flow control shares through Redis "
+                        "(not the routing plugins, as kvgate serve --redis would)")
     p.add_argument("--aging", type=float, default=None,
                    help="sessions: the las system's aging_tokens_per_s (default: the plugin's)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                    help="noisy, priorities: one more system, flow control with these params "
                         "(e.g. 'paced={\"over_share_pace_s\": 0.05}'); repeatable")
+    p.add_argument("--skip-off", action="store_true",
+                   help="noisy: leave out the system without flow control")
     p.add_argument("--root", default="/tmp/kvgate-bench-flow")
     args = p.parse_args(argv)
     args.root_path = Path(args.root)
@@ -623,7 +645,8 @@ def main(argv: Sequence[str] | None = None) -> None:
            "replicas": run_replicas}
     trials = run[args.scenario](args, Path(args.root))
     names = [spec.partition("=")[0] for spec in args.variant]
-    keys = {"noisy": ["off/ratio_p99", "on/ratio_p99", *(f"{n}/ratio_p99" for n in names)],
+    keys = {"noisy": [*([] if args.skip_off else ["off/ratio_p99"]), "on/ratio_p99",
+                      *(f"{n}/ratio_p99" for n in names)],
             "sessions": [f"{r}{x}" for x in ("", "-local", "-1r") for r in (
                 "ratio_ttft_p99", "ratio_short_ttft_p99", "ratio_short_session_p50")]
             + ["las_max_ttft_s", "las-local_max_ttft_s", "fifo_max_ttft_s"],
@@ -639,7 +662,7 @@ def main(argv: Sequence[str] | None = None) -> None:
            "medians": medians, "trials": trials}
     kind = "" if args.engine_kind == "sim" else f"_{args.engine_kind}"
     if args.scenario == "sessions" and args.replicas > 1:
-        kind += f"_{args.replicas}r"
+        kind += f"_{args.replicas}r" + ("_flow_only" if args.flow_only else "")
     path = Path(f"bench/results/flow_control_{args.scenario}{kind}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
