@@ -63,7 +63,7 @@ class Fleet:
 class System:
     name: str
     modes: tuple[str, ...]
-    kind: str  # "serve" (kvgate flags), "config" (kvgate --config), "vllm-router"
+    kind: str  # "serve" (kvgate flags), "config" (kvgate --config), "variant", "vllm-router"
 
 
 SYSTEMS: Mapping[str, System] = {s.name: s for s in (
@@ -75,9 +75,55 @@ SYSTEMS: Mapping[str, System] = {s.name: s for s in (
     System("vllm-router-cache_aware", (NO_HEADERS,), "vllm-router"),
     System("vllm-router-consistent_hash", (HEADERS,), "vllm-router"),
 )}
+#: A kvgate system with placement parameters changed: ``<kvgate system>+<param>=<number>...``
+#: (e.g. ``kvgate-precise+pressure_floor=0.07``): the quick start of that system as a config
+#: file, its ``kv-placement-scorer`` params updated.
+VARIANT_SEP = "+"
 #: The vllm-router systems' ``--policy``.
 VLLM_ROUTER_PREFIX = "vllm-router-"
 DEFAULT_SYSTEMS = ("kvgate-default", "kvgate-precise", "random", "session-pin")
+
+
+def lookup(name: str) -> System:
+    """The system called ``name``: one of :data:`SYSTEMS` or a variant (:data:`VARIANT_SEP`);
+    KeyError for anything else."""
+    if name in SYSTEMS:
+        return SYSTEMS[name]
+    base, _, _ = name.partition(VARIANT_SEP)
+    if base not in ("kvgate-default", "kvgate-precise"):
+        raise KeyError(name)
+    variant_params(name)  # ValueError when malformed
+    return System(name, SYSTEMS[base].modes, "variant")
+
+
+def variant_params(name: str) -> dict[str, float]:
+    """The placement params a variant's name sets (``+key=number`` each)."""
+    out: dict[str, float] = {}
+    for part in name.split(VARIANT_SEP)[1:]:
+        key, eq, value = part.partition("=")
+        if not eq or not key:
+            raise ValueError(f"{name}: expected +param=number, got {part!r}")
+        out[key] = float(value)
+    if not out:
+        raise ValueError(f"{name}: no parameter after {VARIANT_SEP!r}")
+    return out
+
+
+def variant_config(name: str, fleet: Fleet, port: int) -> dict[str, Any]:
+    """The config of a variant: its base system's quick start with the placement params set."""
+    from kvgate.middleware.framework.composition.quickstart import (
+        QuickStart,
+        quick_start_config,
+    )
+    precise = name.startswith("kvgate-precise")
+    qs = QuickStart(engines=fleet.urls, kv_events=fleet.kv_events if precise else (),
+                    tokenizer=str(fleet.model_dir) if precise else None)
+    data = quick_start_config(qs).model_dump(mode="json", exclude={"source"})
+    data["server"].update({"host": "127.0.0.1", "port": port, "log_level": "warning"})
+    for plugin in data["plugins"]:
+        if plugin["type"] == "kv-placement-scorer":
+            plugin["params"] = {**(plugin.get("params") or {}), **variant_params(name)}
+    return dict(data)
 
 
 def serve_argv(name: str, fleet: Fleet, port: int) -> list[str]:
@@ -127,9 +173,10 @@ def vllm_router_argv(fleet: Fleet, port: int, root: Path, policy: str = "cache_a
 def argv_for(system: System, fleet: Fleet, port: int, logs: Path, root: Path) -> list[str]:
     if system.kind == "serve":
         return serve_argv(system.name, fleet, port)
-    if system.kind == "config":
+    if system.kind in ("config", "variant"):
         path = logs / f"{system.name}.json"
-        path.write_text(json.dumps(config(system.name, fleet, port), indent=1))
+        doc = (config if system.kind == "config" else variant_config)(system.name, fleet, port)
+        path.write_text(json.dumps(doc, indent=1))
         return [KVGATE, "serve", "--config", str(path)]
     venvs.ensure(venvs.VLLM_ROUTER, root)
     return vllm_router_argv(fleet, port, root, system.name.removeprefix(VLLM_ROUTER_PREFIX))

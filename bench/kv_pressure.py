@@ -58,6 +58,7 @@ from bench.agentic_systems import (
     engine_counters,
     health,
     kv_blocks,
+    lookup,
     predictions,
     running,
 )
@@ -70,12 +71,22 @@ KV_CACHE_BYTES = 30 << 20
 SEED = 0
 
 
+def _variant(name: str) -> bool:
+    """Whether ``name`` is a kvgate system with placement params (bench/agentic_systems.py)."""
+    try:
+        lookup(name)
+    except (KeyError, ValueError):
+        return False
+    return True
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--systems", default=None,
                    help=f"comma-separated, any of {', '.join(SYSTEMS)} (--steady: also "
                         f"{kv_steady.PIN_INDEX}); default {','.join(DEFAULT_SYSTEMS)} "
-                        f"(--steady: {','.join(kv_steady.DEFAULT_SYSTEMS)})")
+                        f"(--steady: {','.join(kv_steady.DEFAULT_SYSTEMS)}); a kvgate system "
+                        "with placement params: kvgate-precise+pressure_floor=0.07")
     p.add_argument("--levels", default=None,
                    help="comma-separated: low, high (default low,high; --steady: low)")
     p.add_argument("--modes", default="headers,no-headers",
@@ -96,7 +107,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                             else DEFAULT_SYSTEMS)
     args.levels = args.levels or ("low" if steady else "low,high")
     known = kv_steady.NAMES if steady else tuple(SYSTEMS)
-    unknown = [s for s in args.systems.split(",") if s not in known]
+    unknown = [s for s in args.systems.split(",") if s not in known and not _variant(s)]
     unknown += [lv for lv in args.levels.split(",") if lv not in agentic.LEVELS]
     if unknown:
         p.error(f"unknown system(s) or level(s): {', '.join(unknown)}")
@@ -126,7 +137,7 @@ class RunResult:
 def run_one(system: str, mode: str, workload: agentic.Workload, fleet: Fleet, salt: str,
             logs: Path, root: Path) -> RunResult:
     """One system x mode run of ``workload`` on the fleet."""
-    with running(SYSTEMS[system], fleet, logs, root) as base:
+    with running(lookup(system), fleet, logs, root) as base:
         before = [engine_counters(u) for u in fleet.urls]
         started = time.monotonic()
         runner = Runner(base, workload, fleet.model, salt, sessions=mode == "headers")
@@ -198,7 +209,7 @@ def run_all(args: argparse.Namespace, fleet: Fleet, doc: dict[str, Any], out: Pa
                                    "requests": workload.requests()}
         for mode in args.modes.split(","):
             for system in args.systems.split(","):
-                if mode not in SYSTEMS[system].modes:
+                if mode not in lookup(system).modes:
                     continue
                 salt = f"kvp-{doc['stamp']}-{level}-{mode}-{system}"
                 print(f"kv_pressure: {level} {mode} {system} ...", flush=True)

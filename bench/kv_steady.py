@@ -55,6 +55,7 @@ from bench.agentic_systems import (
     counter_deltas,
     engine_counters,
     health,
+    lookup,
     predictions,
     running,
 )
@@ -91,7 +92,7 @@ def sequence(seed: int, count: int, level: str, counter: agentic.Counter,
 
 def mode_for(system: str, modes: Sequence[str], k: int) -> str:
     """Workload ``k``'s mode: ``modes`` in turn, or the system's only mode."""
-    have = SYSTEMS[system].modes if system in SYSTEMS else tuple(modes)
+    have = tuple(modes) if system == PIN_INDEX else lookup(system).modes
     want = modes[k % len(modes)]
     return want if want in have else have[0]
 
@@ -277,7 +278,7 @@ def gateway(system: str, fleet: Fleet, logs: Path, root: Path) -> Iterator[tuple
     if system == PIN_INDEX:
         yield "", LogCursor(None)
         return
-    with running(SYSTEMS[system], fleet, logs, root) as base:
+    with running(lookup(system), fleet, logs, root) as base:
         yield base, LogCursor(logs / f"{system}.log")
 
 
@@ -325,7 +326,7 @@ def table(cells: Sequence[Cell], modes: Sequence[str]) -> str:
         mine = {c.workload: c for c in cells if c.system == system}
         row = [_cell(mine.get(k)) for k in range(count)]
         low, top = worst(list(mine.values()))
-        single = SYSTEMS[system].modes if system in SYSTEMS else ()
+        single = () if system == PIN_INDEX else lookup(system).modes
         name = f"{system} ({single[0]})" if len(single) == 1 else system
         out.append(f"| {name} | " + " | ".join(row)
                    + f" | {'-' if low is None else f'{low:.3f}'} / {top:.0%} |")
