@@ -43,6 +43,7 @@ from kvgate.plugins.common.broadcast import (
     RETRY_S,
     Broadcast,
     Channel,
+    Receive,
     broadcast_families,
     connect_pair,
 )
@@ -91,7 +92,7 @@ def parse_session(item: Any) -> tuple[str, str, float] | None:
     return tenant, session, float(tokens)
 
 
-def session_receiver(fair: Fairness) -> Any:
+def session_receiver(fair: Fairness) -> Receive:
     """The broadcast's ``receive``: a valid item is added to the session's attained service."""
 
     def receive(item: Any) -> bool:
