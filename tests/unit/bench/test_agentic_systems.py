@@ -13,7 +13,9 @@ from bench.agentic_systems import (
     argv_for,
     config,
     counter_deltas,
+    lookup,
     serve_argv,
+    variant_config,
 )
 from kvgate.middleware.framework.composition.config import parse_config
 from kvgate.middleware.framework.composition.pipeline import build_pipeline
@@ -81,3 +83,37 @@ def test_counter_deltas() -> None:
              "vllm:prompt_tokens_cached_total": 1280, "vllm:num_preemptions_total": 1}
     assert counter_deltas(before, after) == {"requests": 2, "prefill_tokens": 976,
                                              "preemptions": 1}
+
+
+@pytest.mark.parametrize(("name", "params"), [
+    ("kvgate-precise+pressure_floor=0.07", {"pressure_floor": 0.07}),
+    ("kvgate-default+pressure_floor=0.1+load_weight=0", {"pressure_floor": 0.1,
+                                                         "load_weight": 0.0}),
+])
+def test_a_variant_is_its_quick_start_with_placement_params(
+        tmp_path: Path, name: str, params: dict[str, float]) -> None:
+    """``<kvgate system>+param=value``: the same quick start as a config file, the
+    placement scorer's params updated (precise keeps its events and tokenizer)."""
+    system = lookup(name)
+    assert system.kind == "variant" and system.modes == ("headers", "no-headers")
+    argv = argv_for(system, FLEET, 9000, tmp_path, tmp_path)
+    assert argv[1:3] == ["serve", "--config"]
+    doc = variant_config(name, FLEET, 9000)
+    placement = next(p for p in doc["plugins"] if p["type"] == "kv-placement-scorer")
+    assert placement["params"] == {"load": "token-load-scorer", **params}
+    events = [e.get("kv_events") for e in doc["engines"]]
+    assert events == (list(FLEET.kv_events) if "precise" in name else [None, None])
+    parsed = parse_config(doc, f"{name}.json")
+    if "precise" not in name:  # precise's tokenizer needs the model's folder (FLEET's is fake)
+        build_pipeline(parsed, Registry.from_entry_points())
+
+
+@pytest.mark.parametrize(("name", "error"), [
+    ("random+pressure_floor=1", KeyError),         # not a kvgate system
+    ("kvgate-precise+", ValueError),               # no parameter
+    ("kvgate-precise+pressure_floor", ValueError),  # no value
+    ("kvgate-precise+pressure_floor=x", ValueError),
+])
+def test_a_malformed_variant_is_refused(name: str, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        lookup(name)
