@@ -3,7 +3,8 @@
 ``BlockPool.reset_prefix_cache``) queues ``AllBlocksCleared``, which vLLM publishes after its
 next engine step (``Scheduler.update_from_output``): on an idle engine, in the step of the next
 request. That request was routed on the index from before the reset; its miss is counted
-``evicted`` (the reset's, not the index's), and from then on the index holds nothing of what
+``evicted`` (the reset's, not the index's; ``speculative`` when the event beat it), and from
+then on the index holds nothing of what
 the engine held before: another prompt cached before the reset is predicted to hit nothing, as
 the engine reports, and the engine stays ``exact``."""
 
@@ -94,7 +95,13 @@ async def test_a_reset_engine_cache_clears_its_index(dev_engine: LocalEngine,
         assert await _cached(client, a) == 0  # routed on the index from before the reset
         await _until(lambda: sub.stats.events_applied["AllBlocksCleared"] >= 1, 30)
         results = sub.health_state.results(name)
-        assert results["evicted"] == before["evicted"] + 1, (before, results)
+        # ``evicted``: the reset's event came after the request was routed (an idle engine
+        # publishes it in the next request's step); ``speculative``: it came first (seen once in a
+        # full CI run) and only the gateway's own fresh speculative entries still predicted a
+        # hit. Never ``over``: not the index's error.
+        missed = ("evicted", "speculative")
+        assert sum(results[k] for k in missed) == sum(before[k] for k in missed) + 1, (
+            before, results)
         assert results["over"] == before["over"], (before, results)
         assert await _cached(client, b) == 0  # cached before the reset: predicted 0 now
         results = sub.health_state.results(name)
