@@ -51,10 +51,15 @@ async def test_repeated_prefixes_follow_the_cache() -> None:
             resp = await client.post("/v1/chat/completions", json=_chat(topic, 0))
             assert resp.status_code == 200
             first[topic] = resp.headers["x-kvgate-engine"]
-        # the engines' BlockStored events reach the gateway's index
-        for _ in range(100):
+        # the engines' BlockStored events reach the gateway's index (a ZMQ PUB drops what it
+        # sends before its connection is up: on a loaded host the first requests' events can
+        # be lost, so another prompt is sent every second until one arrives)
+        for attempt in range(200):
             if await _events_applied(app) > 0:
                 break
+            if attempt % 20 == 19:
+                probe = await client.post("/v1/chat/completions", json=_chat(100 + attempt, 0))
+                assert probe.status_code == 200
             await asyncio.sleep(0.05)
         assert await _events_applied(app) > 0
         assert len(set(first.values())) > 1  # load spread the cold prefixes
