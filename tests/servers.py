@@ -140,3 +140,14 @@ class RedisServer:
                 return sock.recv(16).startswith(b"+PONG")
         except OSError:
             return False
+
+
+@contextlib.contextmanager
+def redis_running() -> Iterator[RedisServer]:
+    """A fresh ``redis-server`` on a free loopback port for the block, stopped after it."""
+    server = RedisServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.servers import REDIS_SERVER, RedisServer, free_port
+from tests.servers import REDIS_SERVER, RedisServer, redis_running
 
 
 @pytest.fixture
@@ -16,9 +16,5 @@ def redis_server() -> Iterator[RedisServer]:
     if REDIS_SERVER is None:
         pytest.skip("redis-server not installed (apt-get install -y redis-server)")
     pytest.importorskip("redis", reason="the 'redis' package is not installed (kvgate[redis])")
-    server = RedisServer(free_port())
-    server.start()
-    try:
+    with redis_running() as server:
         yield server
-    finally:
-        server.stop()

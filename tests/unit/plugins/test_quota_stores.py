@@ -18,7 +18,7 @@ import pytest
 from kvgate.plugins.quotas.local import LocalStore
 from kvgate.plugins.quotas.model import Ask, QuotaStore, ScopeLimits, Settlement, Verdict
 from kvgate.plugins.quotas.redis_store import RedisStore, Unseeded, connect
-from tests.servers import REDIS_SERVER, RedisServer, free_port
+from tests.servers import REDIS_SERVER, RedisServer, redis_running
 
 _ids = itertools.count()
 
@@ -28,12 +28,8 @@ def redis_server() -> Iterator[RedisServer | None]:
     if REDIS_SERVER is None:
         yield None
         return
-    server = RedisServer(free_port())
-    server.start()
-    try:
+    with redis_running() as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(params=["local", "redis"])

@@ -23,7 +23,7 @@ from kvgate.plugins.quotas.plugin import Quotas, _duration
 from kvgate.plugins.tenancy.auth import ApiKey, Limits
 from tests.asyncq_helpers import until
 from tests.integration.billing_helpers import PRICES_YAML
-from tests.servers import REDIS_SERVER, RedisServer, free_port
+from tests.servers import REDIS_SERVER, RedisServer, redis_running
 
 pytest.importorskip("redis", reason="the 'redis' package is not installed (kvgate[redis])")
 
@@ -76,14 +76,13 @@ def _metrics(q: Quotas) -> str:
 async def redis_quotas(tmp_path: Path) -> AsyncIterator[tuple[Quotas, RedisServer]]:
     if REDIS_SERVER is None:
         pytest.skip("redis-server not installed")
-    server = RedisServer(free_port())
-    server.start()
-    q = _quotas(tmp_path, redis_url=server.url, redis_timeout_s=2.0, redis_retry_s=0.1)
-    await q.start()
-    try:
-        yield q, server
-    finally:
-        await q.stop()
+    with redis_running() as server:  # stopped after the test (it was left running)
+        q = _quotas(tmp_path, redis_url=server.url, redis_timeout_s=2.0, redis_retry_s=0.1)
+        await q.start()
+        try:
+            yield q, server
+        finally:
+            await q.stop()
         server.stop()
 
 
