@@ -106,17 +106,23 @@ class FlowMetrics(Collector):
         if view is None:
             return
         limit = GaugeMetricFamily("kvgate_flow_engine_limit", "Requests this gateway keeps in "
-                                  "flight on the engine at most (learned)", labels=["engine"])
+                                  "flight on the engine at most (learned; with share_limits "
+                                  "its share of the fleet's)", labels=["engine"])
+        learned = GaugeMetricFamily("kvgate_flow_engine_learned_limit", "The engine's learned "
+                                    "limit: this replica's own, or the fleet's with "
+                                    "share_limits and other replicas", labels=["engine"])
         sat = GaugeMetricFamily("kvgate_flow_engine_saturated", "1 while the engine takes no "
                                 "new request, by reason", labels=["engine", "reason"])
         for e in view.engines:
             limit.add_metric([e.id], e.limit)
+            learned.add_metric([e.id], e.learned)
             sat.add_metric([e.id, e.saturated or "none"], int(e.saturated is not None))
         pool = GaugeMetricFamily("kvgate_flow_pool_saturated", "1 while the pool has no free "
                                  "slot (serving: both/decode engines; prefill)", labels=["pool"])
         for name, value in view.pool_saturated().items():
             pool.add_metric([name], int(value))
         yield limit
+        yield learned
         yield sat
         yield pool
         yield GaugeMetricFamily("kvgate_flow_capacity", "The serving pool's request slots "

@@ -153,6 +153,11 @@ class FlowParams(BaseModel):
     #: With ``redis_url``: tell the other replicas each session's served tokens, so a session
     #: whose turns spread over replicas ranks by its whole service (least attained service).
     share_sessions: bool = True
+    #: With ``redis_url`` (and ``learn``): learn each engine's limit for the fleet of replicas
+    #: and keep this replica's share of it in proportion to its demand (requests waiting and
+    #: in flight), told through the tenants' exchange (plugins/flow/peers.py). Off: each
+    #: replica learns its own share from the engine's queue and keeps it whatever the queues.
+    share_limits: bool = True
     #: [s] Publish/read period: 0.2 s, as the token-load exchange (a fairness decision lags
     #: the other replicas by less than one typical request).
     share_interval_s: float = Field(0.2, gt=0, le=60)

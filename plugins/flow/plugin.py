@@ -79,7 +79,7 @@ from kvgate.plugins.flow.params import (
 )
 from kvgate.plugins.flow.queue import FlowQueue, Waiter
 from kvgate.plugins.flow.saturation import FleetView, Saturation
-from kvgate.plugins.flow.shared import FlowShare
+from kvgate.plugins.flow.shared import Demand, FlowShare
 from kvgate.plugins.load.session_table import session_digest
 
 log = logging.getLogger("kvgate.flow")
@@ -122,7 +122,7 @@ class FlowControl(Plugin):
         self.p = params
         self.fair = Fairness(params)
         self.queue = FlowQueue(params, self.fair)
-        self.saturation = Saturation(params)
+        self.saturation = Saturation(params, lambda: self.queue.queued() + self.pending)
         self._ticket: StateKey[Ticket] = StateKey(f"{name}/ticket")
         self._futures: dict[int, asyncio.Future[None]] = {}
         self._errors: dict[int, HTTPError] = {}
@@ -352,6 +352,7 @@ class FlowControl(Plugin):
         while True:
             await asyncio.sleep(self.p.poll_s)
             self.saturation.pacers = self._replicas()
+            self.saturation.peers = None if self.shared is None else self.shared.peers()
             if not self.queue.is_empty():
                 self._pump()
 
@@ -449,7 +450,8 @@ class FlowControl(Plugin):
         if self._task is None:
             self._task = asyncio.create_task(self._tick(), name=f"kvgate-flow-{self.name}")
         if self.shared is None:
-            self.shared = FlowShare.started(self.p, self.fair, self.name)
+            self.shared = FlowShare.started(self.p, self.fair, self.name,
+                                            Demand(self._fleet, self.saturation))
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -482,6 +484,10 @@ class FlowControl(Plugin):
             out["free"] = view.free() - self.pending
             out["pools_saturated"] = view.pool_saturated()
             out["engine_limits"] = {e.id: e.limit for e in view.engines}
+            if self.saturation.peers is not None:  # sharing the limits with other replicas
+                out["fleet_limits"] = {e.id: e.learned for e in view.engines}
+                out["demand"] = {"own": self.saturation.demand(self._fleet()),
+                                 "others": self.saturation.peers.demand}
             if view.stale:
                 out["stale_metrics"] = list(view.stale)
             if view.blind:

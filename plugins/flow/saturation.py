@@ -23,7 +23,9 @@ request counted in flight here is at the engine (``running + waiting >= in_fligh
 gateway's own lag in relaying finished answers) -- never past ``max_in_flight_per_engine``
 (with ``learn: false`` the limit is that, fixed). So a gateway in front of a 16-sequence engine
 converges on 16, and N replicas in front of it on about 16 / N each, without talking to each
-other.
+other. With ``share_limits`` and other replicas on Redis (plugins/flow/peers.py) the learner
+counts every replica's requests in flight, so the limit is the engine's for the fleet, and
+this replica keeps its share of it, following its demand.
 
 Pools: engines of role ``both`` and ``decode`` serve a request (the serving pool); ``prefill``
 engines form the prefill pool. A request needs a free slot in the serving pool and, when
@@ -34,11 +36,12 @@ Bounded: one record per engine the pool has (records of engines gone are dropped
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvgate.middleware.framework.types import KV_CAPACITY_TOKENS, Endpoint, Role
 from kvgate.plugins.flow.params import FlowParams
+from kvgate.plugins.flow.peers import Peers
 
 log = logging.getLogger("kvgate.flow")
 #: Scrapes a queue below the engine's observed batch must last to count as a full engine (its
@@ -71,12 +74,15 @@ class _Learned:
 class EngineView:
     id: str
     role: str
+    #: This replica's limit there (its share of ``learned`` when sharing with peers).
     limit: int
     in_flight: int
     free: int
     #: Why it takes no request (``in_flight``, ``kv_usage``, ``tokens``, ``engine_waiting``,
     #: ``unhealthy``), or None.
     saturated: str | None
+    #: The learned limit: this replica's own, or the fleet's when sharing with peers.
+    learned: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,9 +114,15 @@ class FleetView:
 class Saturation:
     """Per-engine learned limits and the fleet's view (synchronous; one per plugin)."""
 
-    def __init__(self, params: FlowParams) -> None:
+    def __init__(self, params: FlowParams, backlog: Callable[[], int] = lambda: 0) -> None:
         self.p = params
         self._learned: dict[str, _Learned] = {}
+        #: Requests of this replica waiting for a slot (queued, admitted not dispatched): with
+        #: its requests in flight, its demand (the share of each limit it keeps with peers).
+        self._backlog = backlog
+        #: The other replicas sharing the limits (plugins/flow/peers.py), as last read; None:
+        #: alone, or Redis down, or ``share_limits`` off.
+        self.peers: Peers | None = None
         #: Gateway replicas pacing the same engines (this one and the others the fairness
         #: exchange saw last round; 1 without Redis): each paces at that many times
         #: ``over_share_pace_s``, so the fleet's over-share admissions enter an engine at one
@@ -126,7 +138,8 @@ class Saturation:
     def view(self, eps: Sequence[Endpoint], now: float) -> FleetView:
         """Learn from fresh scrapes, then each engine's verdict and the pools' free slots."""
         self._forget(eps)
-        views = tuple(self._engine(ep, now) for ep in eps)
+        demand = self.demand(eps)
+        views = tuple(self._engine(ep, now, demand) for ep in eps)
         serving = [v for v in views if v.role != Role.PREFILL.value]
         prefill = [v for v in views if v.role == Role.PREFILL.value]
         capacity = sum(v.limit for v in serving if v.saturated != "unhealthy")
@@ -145,8 +158,9 @@ class Saturation:
         serving = capacity = opened = 0
         prefill: int | None = None
         prefill_open = 0
+        demand = self.demand(eps)
         for ep in eps:
-            limit, why = self._verdict(ep, now)
+            limit, why = self._verdict(ep, now, demand)
             free = 0 if why is not None else limit - ep.in_flight_requests
             unreserved = 0 if free == 0 or self._in_reserve(ep, limit, now) else max(
                 0, free - self.reserve(limit))
@@ -202,9 +216,10 @@ class Saturation:
         ``eps`` may be a profile's subset); ``past_reserve``: only those with a free slot
         past their reserve (for a tenant over its fair share)."""
         out = []
+        demand = None if self.peers is None else self.demand(eps)
         for ep in eps:
             learned = self._learned.get(ep.id)
-            limit = self._new().limit if learned is None else learned.limit
+            limit = self._mine(ep, self._new() if learned is None else learned, demand)
             if self._saturated(ep, limit, self._scraped_lately(ep, now), past_reserve):
                 continue
             if past_reserve and limit - ep.in_flight_requests <= self.reserve(limit):
@@ -229,13 +244,35 @@ class Saturation:
             return _Learned(p.initial_in_flight_per_engine)
         return _Learned(p.max_in_flight_per_engine, slow_start=False)
 
-    def _engine(self, ep: Endpoint, now: float) -> EngineView:
-        limit, why = self._verdict(ep, now)
-        free = 0 if why is not None else limit - ep.in_flight_requests
-        return EngineView(ep.id, ep.role.value, limit, ep.in_flight_requests, free, why)
+    def demand(self, eps: Sequence[Endpoint], own: bool = False) -> int:
+        """This replica's demand: its requests waiting for a slot and in flight (computed
+        with peers, or ``own``: to tell them)."""
+        if self.peers is None and not own:
+            return 0
+        return self._backlog() + sum(ep.in_flight_requests for ep in eps
+                                     if ep.role is not Role.PREFILL)
 
-    def _verdict(self, ep: Endpoint, now: float) -> tuple[int, str | None]:
-        """The engine's limit, learned from a fresh scrape first, and why it is saturated."""
+    def _mine(self, ep: Endpoint, learned: _Learned, demand: float | None) -> int:
+        """This replica's limit on ``ep``: the learned one, or with peers its share of it."""
+        if self.peers is None or demand is None:
+            return learned.limit
+        return self.peers.share(learned.limit, ep.id, demand, self.p.min_in_flight_per_engine)
+
+    def _fleet_in_flight(self, ep: Endpoint) -> int:
+        """Requests in flight on ``ep`` from this replica and, with peers, from the others."""
+        others = 0 if self.peers is None else self.peers.others(ep.id)
+        return ep.in_flight_requests + others
+
+    def _engine(self, ep: Endpoint, now: float, demand: int) -> EngineView:
+        limit, why = self._verdict(ep, now, demand)
+        free = 0 if why is not None else limit - ep.in_flight_requests
+        learned = self._learned[ep.id].limit
+        return EngineView(ep.id, ep.role.value, limit, ep.in_flight_requests, free, why,
+                          learned)
+
+    def _verdict(self, ep: Endpoint, now: float, demand: int) -> tuple[int, str | None]:
+        """This replica's limit on the engine, learned from a fresh scrape first, and why the
+        engine is saturated."""
         learned = self._learned.get(ep.id)
         if learned is None:
             learned = self._learned[ep.id] = self._new()
@@ -244,7 +281,8 @@ class Saturation:
             self._blind(ep, learned)
             if self.p.learn:
                 self._learn(ep, learned, now)
-        return learned.limit, self._saturated(ep, learned.limit, fresh)
+        limit = self._mine(ep, learned, demand)
+        return limit, self._saturated(ep, limit, fresh)
 
     def _fresh(self, ep: Endpoint, learned: _Learned, now: float) -> bool:
         scraped = ep.metrics.scraped_at
@@ -290,9 +328,10 @@ class Saturation:
         learned.short_queues = 0
         if learned.ceiling is not None and m.running > learned.ceiling:
             learned.ceiling = m.running  # it ran that many at once: its batch is no smaller
-        if (ep.in_flight_requests >= learned.limit
+        in_flight = self._fleet_in_flight(ep)
+        if (in_flight >= learned.limit
                 and learned.limit < p.max_in_flight_per_engine
-                and m.running + m.waiting >= ep.in_flight_requests):
+                and m.running + m.waiting >= in_flight):
             # at the limit, and every request counted here is at the engine (not finished
             # there and still being relayed: a busy gateway must not read its own lag as
             # free seats, and let a burst into the engine's queue when it catches up)
@@ -314,7 +353,7 @@ class Saturation:
         p = self.p
         allowed = p.max_engine_waiting
         learned.ceiling, learned.short_queues, learned.slow_start = running, 0, False
-        share = ep.in_flight_requests * (running + allowed) / (running + waiting)
+        share = self._fleet_in_flight(ep) * (running + allowed) / (running + waiting)
         cut = max(round(share), learned.limit - int(waiting - allowed))
         cut = max(p.min_in_flight_per_engine, min(learned.limit, cut))
         if cut < learned.limit:

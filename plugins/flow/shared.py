@@ -19,9 +19,14 @@ as if it had served them. The session is its blake2b-128 digest (as the session 
 key): no session id leaves the process in clear; the tenant is already in the tenants'
 exchange. Bounded as the local counters (``max_sessions``, LRU).
 
-The saturation view needs no Redis: each replica learns its share of each engine's batch from
-the engine's own running / waiting counts (plugins/flow/saturation.py). The reserve and the
-fair shares are per replica (each holds its share of the fleet's slots).
+**Limits** (``share_limits``, on by default). The tenants' exchange also carries each
+replica's requests in flight per engine (as its per-engine loads) and its demand (a gauge:
+requests queued, pending and in flight); :meth:`FlowShare.peers` hands them to the saturation
+view, which learns each engine's limit for the fleet and keeps this replica's share of it
+following its demand (plugins/flow/peers.py). Without it (or Redis down) each replica learns
+its own share of each engine's batch from the engine's running / waiting counts
+(plugins/flow/saturation.py). The reserve and the fair shares are per replica (each holds its
+share of the fleet's slots).
 
 Redis down: the exchange drops the remote view and the broadcast drops what it would tell
 (WARNING once per outage each, /health says ``degraded``, ``kvgate_flow_shared_down`` and
@@ -32,11 +37,12 @@ requests never wait for Redis.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvgate.middleware.framework.types import Endpoint
 from kvgate.plugins.common.broadcast import (
     FLUSH_S,
     MAX_PENDING,
@@ -49,15 +55,48 @@ from kvgate.plugins.common.broadcast import (
 )
 from kvgate.plugins.flow.fairness import Fairness
 from kvgate.plugins.flow.params import FlowParams
-from kvgate.plugins.load.shared_load import CounterShare, LoadExchange, connect, replica_id
+from kvgate.plugins.flow.peers import DEMAND, Peers, peers_from
+from kvgate.plugins.flow.saturation import Saturation
+from kvgate.plugins.load.loads import EngineLoad
+from kvgate.plugins.load.shared_load import (
+    CounterShare,
+    GaugeShare,
+    LoadExchange,
+    connect,
+    replica_id,
+)
 
 #: Bounds on a told item's fields (the receiver's validation): a tenant id as the keys file
 #: allows it, a session digest (32 hex digits), tokens of one usage.
 MAX_TENANT_CHARS, DIGEST_CHARS, MAX_ITEM_TOKENS = 256, 32, 1e9
 
 
-def exchange(params: FlowParams, fair: Fairness) -> LoadExchange | None:
-    """The tenants' exchange for ``params.redis_url`` (None without one); not started."""
+class Demand:
+    """This replica's side of the limits' share: what it tells (its requests in flight per
+    engine, its demand) and what it last heard (the others' demand, summed)."""
+
+    def __init__(self, fleet: Callable[[], Sequence[Endpoint]], saturation: Saturation) -> None:
+        self._fleet = fleet
+        self._saturation = saturation
+        self.others: float = 0.0
+
+    def loads(self) -> dict[str, EngineLoad]:
+        return {ep.id: EngineLoad(0, 0, ep.in_flight_requests) for ep in self._fleet()}
+
+    def gauges(self) -> GaugeShare:
+        def local() -> Mapping[str, float]:
+            return {DEMAND: float(self._saturation.demand(self._fleet(), own=True))}
+
+        def remote(sums: Mapping[str, float]) -> None:
+            self.others = sums.get(DEMAND, 0.0)
+
+        return GaugeShare(local, remote)
+
+
+def exchange(params: FlowParams, fair: Fairness,
+             demand: Demand | None = None) -> LoadExchange | None:
+    """The tenants' exchange for ``params.redis_url`` (None without one), carrying the limits'
+    share when ``demand`` is given; not started."""
     if params.redis_url is None:
         return None
 
@@ -68,10 +107,12 @@ def exchange(params: FlowParams, fair: Fairness) -> LoadExchange | None:
         fair.remote(dict(deltas))
 
     return LoadExchange(
-        connect(params.redis_url.get_secret_value(), params.redis_timeout_s), dict,
+        connect(params.redis_url.get_secret_value(), params.redis_timeout_s),
+        dict if demand is None else demand.loads,
         prefix=params.redis_prefix, interval_s=params.share_interval_s,
         ttl_s=params.share_ttl_s, timeout_s=params.redis_timeout_s, max_replicas=64,
-        counters=CounterShare(local, remote))
+        counters=CounterShare(local, remote),
+        gauges=None if demand is None else demand.gauges())
 
 
 def session_item(tenant: str, session: str, tokens: float) -> list[Any]:
@@ -122,16 +163,20 @@ class FlowShare:
     """What one flow-control plugin shares with the other replicas: the tenants' exchange and
     the sessions' broadcast (module docstring)."""
 
-    def __init__(self, params: FlowParams, fair: Fairness, plugin: str) -> None:
-        self.tenants = exchange(params, fair)
+    def __init__(self, params: FlowParams, fair: Fairness, plugin: str,
+                 demand: Demand | None = None) -> None:
+        #: The limits' share (None: ``share_limits`` or ``learn`` off).
+        self.demand = demand if params.share_limits and params.learn else None
+        self.tenants = exchange(params, fair, self.demand)
         self.sessions = session_broadcast(params, fair, plugin)
 
     @classmethod
-    def started(cls, params: FlowParams, fair: Fairness, plugin: str) -> FlowShare | None:
+    def started(cls, params: FlowParams, fair: Fairness, plugin: str,
+                demand: Demand | None = None) -> FlowShare | None:
         """A started share (None without ``redis_url``)."""
         if params.redis_url is None:
             return None
-        share = cls(params, fair, plugin)
+        share = cls(params, fair, plugin, demand)
         if share.tenants is not None:
             share.tenants.start()
         if share.sessions is not None:
@@ -150,6 +195,15 @@ class FlowShare:
         if self.tenants is None or self.tenants.stats.down:
             return 1
         return 1 + self.tenants.stats.replicas
+
+    def peers(self) -> Peers | None:
+        """The other replicas' requests in flight per engine and demand, as last read (None:
+        limits not shared, Redis down, or no other replica)."""
+        ex = self.tenants
+        if self.demand is None or ex is None or ex.stats.down:
+            return None
+        return peers_from({ep: ld.requests for ep, ld in ex.remote.items()},
+                          {DEMAND: self.demand.others}, ex.stats.replicas)
 
     def served(self, tenant: str, session: str | None, tokens: float) -> None:
         """A usage's session tokens, told to the other replicas."""
@@ -183,5 +237,5 @@ class FlowShare:
             yield from broadcast_families("kvgate_flow_shared_sessions", self.sessions.stats)
 
 
-__all__ = ["FlowShare", "exchange", "parse_session", "session_broadcast", "session_item",
+__all__ = ["Demand", "FlowShare", "exchange", "parse_session", "session_broadcast", "session_item",
            "session_receiver"]

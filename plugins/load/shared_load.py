@@ -7,12 +7,14 @@ its own :class:`kvgate.plugins.load.token_load.LoadTracker` exact and synchronou
 
 1. writes its per-engine totals as one JSON string ``<prefix>r:<replica id>`` with a TTL of
    ``ttl_s`` (``SET ... PX``) — and, when a plugin shares counters (:class:`CounterShare`:
-   placement's cumulative inserted tokens per engine), those as ``<prefix>c:<replica id>`` —
-   registers the id in the sorted set ``<prefix>replicas`` (score:
+   placement's cumulative inserted tokens per engine), those as ``<prefix>c:<replica id>``,
+   and when it shares gauges (:class:`GaugeShare`: flow control's demand), those as
+   ``<prefix>g:<replica id>`` — registers the id in the sorted set ``<prefix>replicas`` (score:
    the time in ms) and prunes ids older than ``ttl_s`` from it — one pipelined round trip;
 2. reads the other replicas' strings (``MGET``; an expired replica reads as nothing) and sums
    them into :attr:`LoadExchange.remote`, a per-engine :class:`EngineLoad` snapshot; the
-   counters' growth since the previous round is handed to the sharing plugin.
+   counters' growth since the previous round and the gauges' sums over the other replicas
+   are handed to the sharing plugin (the gauges' as ``{}`` when Redis fails).
 
 The scorers read ``local + remote`` synchronously: no Redis I/O on the scheduling path. The
 snapshot is at most ``interval_s`` + one round trip old; a replica that dies stops counting
@@ -118,6 +120,25 @@ class CounterShare:
     remote: Callable[[Mapping[EndpointId, float]], None]
 
 
+@dataclass(frozen=True, slots=True)
+class GaugeShare:
+    """Named current values shared the same way (flow control's queued demand): ``local()`` is
+    this replica's, ``remote(sums)`` receives the sum over the other replicas read each round
+    (``{}`` when the round failed: the others' view is dropped, as the loads are)."""
+
+    local: Callable[[], Mapping[str, float]]
+    remote: Callable[[Mapping[str, float]], None]
+
+
+def sum_gauges(raws: list[Any]) -> dict[str, float]:
+    """The replicas' published gauges summed per name (missing or malformed entries skipped)."""
+    total: dict[str, float] = {}
+    for raw in raws:
+        for name, value in (parse_counters(raw) or {}).items():
+            total[name] = total.get(name, 0.0) + value
+    return total
+
+
 @dataclass(slots=True)
 class ExchangeStats:
     """Rounds done and failed, replicas seen in the last round, replicas not read (cap)."""
@@ -136,7 +157,7 @@ class LoadExchange:
         self, client: RedisLoadClient, local: Callable[[], Mapping[EndpointId, EngineLoad]], *,
         prefix: str, interval_s: float, ttl_s: float, timeout_s: float, max_replicas: int,
         me: str | None = None, clock: Callable[[], float] = time.time,
-        counters: CounterShare | None = None,
+        counters: CounterShare | None = None, gauges: GaugeShare | None = None,
     ) -> None:
         self._client = client
         self._local = local
@@ -152,6 +173,7 @@ class LoadExchange:
         self._errors = _redis_errors()
         self._task: asyncio.Task[None] | None = None
         self._counters = counters
+        self._gauges = gauges
         #: per other replica, its counters as last read (deltas are taken against them)
         self._seen: dict[str, dict[str, float]] = {}
 
@@ -178,6 +200,9 @@ class LoadExchange:
         if self._counters is not None:
             pipe.set(self._key(self.me, "c"), json.dumps(dict(self._counters.local())),
                      px=self._ttl_ms)
+        if self._gauges is not None:
+            pipe.set(self._key(self.me, "g"), json.dumps(dict(self._gauges.local())),
+                     px=self._ttl_ms)
         pipe.zadd(registry, {self.me: now_ms})
         pipe.pexpire(registry, self._ttl_ms * 10)
         pipe.zremrangebyscore(registry, "-inf", now_ms - self._ttl_ms)
@@ -186,15 +211,17 @@ class LoadExchange:
         members = [m.decode() if isinstance(m, bytes) else str(m) for m in replies[-1]]
         others = [m for m in members if m != self.me][: self._max_replicas]
         self.stats.skipped = max(0, len(members) - 1 - len(others))
-        keys = [self._key(m) for m in others]
-        if self._counters is not None:
-            keys += [self._key(m, "c") for m in others]
+        kinds = ["r"] + ["c"] * (self._counters is not None) + ["g"] * (self._gauges is not None)
+        keys = [self._key(m, kind) for kind in kinds for m in others]
         raws = list(await self._client.mget(keys)) if keys else []
-        loads = raws[:len(others)]
-        self.stats.replicas = sum(raw is not None for raw in loads)
-        self.remote = merge_loads(loads)
+        parts = {kind: raws[i * len(others):(i + 1) * len(others)]
+                 for i, kind in enumerate(kinds)}
+        self.stats.replicas = sum(raw is not None for raw in parts["r"])
+        self.remote = merge_loads(parts["r"])
         if self._counters is not None:
-            self._share_counters(others, raws[len(others):], self._counters)
+            self._share_counters(others, parts["c"], self._counters)
+        if self._gauges is not None:
+            self._gauges.remote(sum_gauges(parts["g"]))
 
     def _share_counters(self, others: list[str], raws: list[Any], share: CounterShare) -> None:
         """Hand the growth of the other replicas' counters since the last round to ``share``;
@@ -221,6 +248,8 @@ class LoadExchange:
         self.stats.errors += 1
         self.remote = {}
         self.stats.replicas = 0
+        if self._gauges is not None:
+            self._gauges.remote({})
         if not self.stats.down:
             self.stats.down = True
             # The URL may hold a password: name the error type only.
@@ -243,7 +272,8 @@ class LoadExchange:
             await cancel_and_wait(task)
         try:
             await asyncio.wait_for(
-                self._client.delete(self._key(self.me), self._key(self.me, "c")), self._timeout_s)
+                self._client.delete(*(self._key(self.me, kind) for kind in "rcg")),
+                self._timeout_s)
         except self._errors:
             log.info("shared load: could not remove this replica's entry (expires in Redis)")
         await self._client.aclose()

@@ -294,6 +294,51 @@ async def test_replicas_share_each_sessions_service(redis_db: Any) -> None:
             assert health["shared_sessions"].startswith("degraded")
 
 
+@pytest.mark.parametrize("share_limits", [True, False])
+async def test_replicas_share_an_engines_limit_by_demand(redis_db: Any,
+                                                         share_limits: bool) -> None:
+    """Two replicas on one Redis in front of an engine of 4 seats, 12 requests through the
+    first: sharing the limits (the default), it learns the engine's limit for the fleet and
+    takes it, and the idle replica keeps only its next request's slot; /health and /metrics
+    show the fleet's limit and the demand. Not sharing, the idle replica keeps its own limit
+    (its share of what it saw the engine queue), far above what the engine has free."""
+    async with sim_fleet(1, max_num_seqs=4, time_scale=1.0) as sims:
+        data = gateway_config([sims[0].url])
+        data["plugins"].append({"type": "flow-control", "params": {
+            "redis_url": redis_db.url, "share_interval_s": 0.05, "reserve_fraction": 0,
+            "share_limits": share_limits}})
+        async with gateway(data) as (app1, c1), gateway(data) as (app2, c2):
+            one, two = _flow(app1), _flow(app2)
+            busy = [asyncio.create_task(c1.post(CHAT, json=_body(f"q{i}", 300)))
+                    for i in range(12)]
+
+            def limits(flow: FlowControl) -> tuple[int, int]:
+                view = flow.current_view()
+                assert view is not None
+                return view.engines[0].limit, view.engines[0].learned
+
+            # learning happens as the gate reads the fleet (an admission, a pump, a scrape)
+            await _until(lambda: limits(one)[1] == 4)  # the engine queued: cut to its batch
+            await _until(lambda: limits(two)[1] < 32)  # seen there too
+            if share_limits:
+                await _until(lambda: two.saturation.peers is not None
+                             and two.saturation.peers.demand >= 4)
+                assert limits(one) == (4, 4)  # the fleet's limit, all of it here
+                # (a scrape read before the other's in-flight count cut less: the next cut)
+                await _until(lambda: limits(two) == (1, 4))
+                health = (await c2.get("/health")).json()["plugins"]["flow-control"]
+                assert health["fleet_limits"] == {"sim-0": 4}
+                assert health["demand"]["others"] >= 4
+                metrics = (await c2.get("/metrics")).text
+                assert 'kvgate_flow_engine_learned_limit{engine="sim-0"} 4.0' in metrics
+                assert 'kvgate_flow_engine_limit{engine="sim-0"} 1.0' in metrics
+            else:
+                assert two.saturation.peers is None
+                assert limits(two)[0] >= 8
+            answers = await asyncio.gather(*busy)
+            assert all(r.status_code == 200 for r in answers)
+
+
 async def test_no_healthy_engine_is_a_503_at_once_not_a_wait() -> None:
     """With every engine out of rotation there is no headroom to wait for: the request is not
     queued (a client would wait out the band's TTL) but answered by the dispatcher's 503."""

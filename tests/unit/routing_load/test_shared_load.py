@@ -6,14 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvgate.middleware.framework.types import CycleState, Outcome, OutcomeKind, RoutingDecision
 from kvgate.plugins.load.loads import EngineLoad
-from kvgate.plugins.load.shared_load import merge_loads
+from kvgate.plugins.load.shared_load import (
+    GaugeShare,
+    LoadExchange,
+    connect,
+    merge_loads,
+    sum_gauges,
+)
 from kvgate.plugins.load.token_load import TokenLoadScorer
 from tests.servers import REDIS_SERVER, RedisServer
 from tests.unit.routing_load.helpers import ep, load_scorer, req, until
@@ -157,3 +163,49 @@ def test_record_share_skips_repeats_within_repeat_s() -> None:
         share.publish(engine, hashes)
     assert share.stats.repeats == 1  # e0 [1, 2] at 30 s
     assert [e for e, _ in share._pending] == ["e0", "e1", "e0", "e0"]
+
+
+@pytest.mark.parametrize(("raws", "expected"), [
+    ([], {}),
+    ([None, b"not json", b"[1]"], {}),
+    ([b'{"demand":3}', b'{"demand":4.5,"other":1}', b'{"demand":-2,"x":"y"}'],
+     {"demand": 7.5, "other": 1.0}),
+])
+def test_sum_gauges(raws: list[bytes | None], expected: dict[str, float]) -> None:
+    assert sum_gauges(raws) == expected
+
+
+async def test_gauges_sum_over_the_other_replicas_and_drop_when_redis_fails(
+        redis_server: RedisServer) -> None:
+    """Three exchanges publishing a gauge on a real Redis: each hears the sum of the other two;
+    Redis stopped: each is handed ``{}`` (the others' view dropped), and the sums come back
+    with Redis."""
+    heard: list[dict[str, float]] = [{}, {}, {}]
+
+    def share(i: int) -> GaugeShare:
+        def remote(sums: Mapping[str, float]) -> None:
+            heard[i] = dict(sums)
+        return GaugeShare(lambda: {"demand": float(10 ** i)}, remote)
+
+    exchanges = [LoadExchange(connect(redis_server.url, 2.0), dict, prefix="t:",
+                              interval_s=INTERVAL_S, ttl_s=5.0, timeout_s=2.0, max_replicas=8,
+                              gauges=share(i)) for i in range(3)]
+    try:
+        for _ in range(2):
+            for ex in exchanges:
+                await ex.exchange()
+        assert heard == [{"demand": 110.0}, {"demand": 101.0}, {"demand": 11.0}]
+        redis_server.stop()
+        await exchanges[0].exchange()
+        assert heard[0] == {} and exchanges[0].stats.down
+        redis_server.start()  # same port: the next rounds reconnect
+        for _ in range(50):
+            for ex in exchanges:
+                await ex.exchange()
+            if heard[0] == {"demand": 110.0}:
+                break
+            await asyncio.sleep(INTERVAL_S)
+        assert heard[0] == {"demand": 110.0} and not exchanges[0].stats.down
+    finally:
+        for ex in exchanges:
+            await ex.stop()
