@@ -17,8 +17,10 @@ Scenarios (``--scenario``), each a same-run comparison (systems rotated per tria
   flow control with ``session_order: las`` vs ``fifo``. Reported: TTFT p99 and max, short
   sessions' completion time (median, p90). ``--replicas N``: the same through N replicas
   sharing Redis, each turn sent to one at random (a per-request balancer): fifo, las (the
-  sessions' service shared between replicas), las-local (``share_sessions: false``: each
-  replica ranks by its own part of a session's service) and las through one gateway; the
+  sessions' service and the engines' limits shared between replicas, the defaults),
+  las-own-limits (``share_limits: false``: each replica learns its own share of an engine's
+  batch), las-local (``share_sessions: false``: each replica ranks by its own part of a
+  session's service; only with ``--with-local``) and las through one gateway; the
   replicas' routing plugins share through the same Redis as ``kvgate serve --redis`` has
   them (``--flow-only``: flow control alone); JSON ``..._sessions_<N>r[_flow_only].json``.
 * ``replicas`` -- the noisy neighbour through 1 gateway vs 2 replicas sharing fairness through
@@ -469,8 +471,9 @@ async def _later(delay: float, work: Any) -> None:
 
 def _sessions_systems(args: argparse.Namespace) -> dict[str, Setup]:
     """fifo and las through one gateway; with ``--replicas N``, through N replicas sharing
-    Redis (las: the sessions' service shared; las-local: each replica's own counters, as
-    before it was shared) and las through one gateway as the reference."""
+    Redis (las: the sessions' service and the limits shared; las-own-limits: each replica's
+    own limits; las-local, with ``--with-local``: each replica's own session counters) and las
+    through one gateway as the reference."""
     las: dict[str, Any] = {"session_order": "las",
                            **({"aging_tokens_per_s": args.aging} if args.aging else {})}
     if args.replicas <= 1:
@@ -478,10 +481,14 @@ def _sessions_systems(args: argparse.Namespace) -> dict[str, Setup]:
                 "las": Setup(args.engines, flow=las)}
     shared: dict[str, Any] = {"replicas": args.replicas, "redis": True,
                               "share_routing": not args.flow_only}
-    return {"fifo": Setup(args.engines, flow={"session_order": "fifo"}, **shared),
-            "las": Setup(args.engines, flow=las, **shared),
-            "las-local": Setup(args.engines, flow={**las, "share_sessions": False}, **shared),
-            "las-1r": Setup(args.engines, flow=las)}
+    out = {"fifo": Setup(args.engines, flow={"session_order": "fifo"}, **shared),
+           "las": Setup(args.engines, flow=las, **shared),
+           "las-own-limits": Setup(args.engines, flow={**las, "share_limits": False},
+                                   **shared)}
+    if args.with_local:
+        out["las-local"] = Setup(args.engines, flow={**las, "share_sessions": False}, **shared)
+    out["las-1r"] = Setup(args.engines, flow=las)
+    return out
 
 
 def run_sessions(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
@@ -629,6 +636,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--flow-only", action="store_true",
                    help="sessions with --replicas: only flow control shares through Redis "
                         "(not the routing plugins, as kvgate serve --redis would)")
+    p.add_argument("--with-local", action="store_true",
+                   help="sessions with --replicas: also las-local (share_sessions: false)")
     p.add_argument("--aging", type=float, default=None,
                    help="sessions: the las system's aging_tokens_per_s (default: the plugin's)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
@@ -647,9 +656,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     names = [spec.partition("=")[0] for spec in args.variant]
     keys = {"noisy": [*([] if args.skip_off else ["off/ratio_p99"]), "on/ratio_p99",
                       *(f"{n}/ratio_p99" for n in names)],
-            "sessions": [f"{r}{x}" for x in ("", "-local", "-1r") for r in (
-                "ratio_ttft_p99", "ratio_short_ttft_p99", "ratio_short_session_p50")]
-            + ["las_max_ttft_s", "las-local_max_ttft_s", "fifo_max_ttft_s"],
+            "sessions": [f"{r}{n[3:]}" for n in _sessions_systems(args) if n.startswith("las")
+                         for r in ("ratio_ttft_p99", "ratio_short_ttft_p99",
+                                   "ratio_short_session_p50")]
+            + [f"{n}_max_ttft_s" for n in _sessions_systems(args)],
             "priorities": ["ratio_p99", *(f"{n}/ratio_p99" for n in names)],
             "replicas": ["1r/flood/ratio_p99", "2r-redis/flood/ratio_p99",
                          "2r-local/flood/ratio_p99", "2r-redis/flood/ratio_p99_own_alone"]
