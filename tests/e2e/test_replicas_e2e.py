@@ -14,7 +14,8 @@ request *i* of a session to another replica than request *i - 1*.
   plugins/placement/shared.py), and says ``shared_placement: ok`` on ``/health``; flow
   control's session counters hear the turns the other replicas served (``shared_sessions``).
 * A request in flight on one replica is seen by the others: ``kvgate_token_load_tokens`` with
-  ``scope="other"`` on replica B names the engine replica A streams from.
+  ``scope="other"`` on replica B names the engine replica A streams from, and B's flow control
+  counts A's demand in splitting the engines' limits (``fleet_limits`` on ``/health``).
 * redis-server killed: every replica keeps serving on its own state and says so on ``/health``
   (``degraded``) and ``/metrics`` (``kvgate_shared_load_down 1``).
 """
@@ -197,6 +198,12 @@ def _load_is_shared(gws: list[str]) -> None:
         assert not any(dict(k).get("scope") == "local" and v > 0 for k, v in own.items())
         health = httpx.get(gws[1] + "/health", timeout=10).json()["plugins"]
         assert health["token-load-scorer"]["other_replicas"] == REPLICAS - 1
+
+        def demand_seen() -> bool:  # flow control splits the limits by demand (share_limits)
+            flow = httpx.get(gws[1] + "/health", timeout=10).json()["plugins"]["flow-control"]
+            return "fleet_limits" in flow and flow["demand"]["others"] >= 1
+
+        wait_for(demand_seen, "replica B's flow control sees replica A's demand")
     finally:
         stop.set()
         worker.join(30)
@@ -215,6 +222,7 @@ def _outage_keeps_serving(gws: list[str]) -> None:
         assert "degraded" in str(plugins["prefix-cache-producer"].get("shared_record"))
         assert "degraded" in str(plugins["kv-placement-scorer"].get("shared_placement"))
         assert "degraded" in str(plugins["flow-control"].get("shared_sessions"))
+        assert "fleet_limits" not in plugins["flow-control"]  # each on its own limits
         down = metric(base, "kvgate_shared_load_down")
         assert list(down.values()) == [1.0]
         assert httpx.get(base + "/health", timeout=10).status_code == 200
