@@ -36,6 +36,7 @@ Bounded: one record per engine the pool has (records of engines gone are dropped
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -68,6 +69,8 @@ class _Learned:
     blind: bool = False
     #: When a request of a tenant over its fair share was last sent here (``over_share_pace_s``).
     paced_at: float | None = None
+    #: Sharing with peers: this replica's weighted share of ``limit`` (plugins/flow/peers.py).
+    share: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +166,7 @@ class Saturation:
             limit, why = self._verdict(ep, now, demand)
             free = 0 if why is not None else limit - ep.in_flight_requests
             unreserved = 0 if free == 0 or self._in_reserve(ep, limit, now) else max(
-                0, free - self.reserve(limit))
+                0, free - self._reserve(ep, limit))
             if ep.role is Role.PREFILL:
                 prefill = free + (prefill or 0)
                 prefill_open += unreserved
@@ -199,10 +202,17 @@ class Saturation:
         return sum(1 for ep in self.unsaturated(eps, now, past_reserve=True)
                    if ep.role is not Role.PREFILL and not self.paced(ep, now))
 
-    def reserve(self, limit: int) -> int:
+    def reserve(self, limit: int, learned: int | None = None) -> int:
         """An engine's slots kept for tenants under their fair share (``reserve_fraction`` of
-        its limit, rounded down: 2 of 16, none of fewer than 8)."""
-        return int(limit * self.p.reserve_fraction)
+        its limit, rounded down: 2 of 16, none of fewer than 8). Sharing the ``learned`` fleet
+        limit with peers, this replica's part of the fleet's reserve, rounded up: its share of
+        a 16-seat engine moves between 7 and 9 with the replicas' demand, and a reserve taken
+        of the share itself vanished at 7 (a light tenant's turn then waited for one of the
+        flood's requests to end)."""
+        if learned is None or self.peers is None or limit >= learned:
+            return int(limit * self.p.reserve_fraction)
+        fleet = int(learned * self.p.reserve_fraction)
+        return min(limit, math.ceil(fleet * limit / learned))
 
     def _forget(self, eps: Sequence[Endpoint]) -> None:
         if len(self._learned) > len(eps):  # engines gone: forget them
@@ -222,10 +232,14 @@ class Saturation:
             limit = self._mine(ep, self._new() if learned is None else learned, demand)
             if self._saturated(ep, limit, self._scraped_lately(ep, now), past_reserve):
                 continue
-            if past_reserve and limit - ep.in_flight_requests <= self.reserve(limit):
+            if past_reserve and limit - ep.in_flight_requests <= self._reserve(ep, limit):
                 continue
             out.append(ep)
         return out
+
+    def _reserve(self, ep: Endpoint, limit: int) -> int:
+        learned = self._learned.get(ep.id)
+        return self.reserve(limit, None if learned is None else learned.limit)
 
     def _in_reserve(self, ep: Endpoint, limit: int, now: float) -> bool:
         """Whether ``ep`` (not saturated) is past what a tenant over its share may fill of its
@@ -255,8 +269,11 @@ class Saturation:
     def _mine(self, ep: Endpoint, learned: _Learned, demand: float | None) -> int:
         """This replica's limit on ``ep``: the learned one, or with peers its share of it."""
         if self.peers is None or demand is None:
+            learned.share = None
             return learned.limit
-        return self.peers.share(learned.limit, ep.id, demand, self.p.min_in_flight_per_engine)
+        mine, learned.share = self.peers.share(learned.limit, ep.id, demand,
+                                               self.p.min_in_flight_per_engine, learned.share)
+        return mine
 
     def _fleet_in_flight(self, ep: Endpoint) -> int:
         """Requests in flight on ``ep`` from this replica and, with peers, from the others."""
