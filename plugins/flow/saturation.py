@@ -297,7 +297,7 @@ class Saturation:
         if fresh and ep.metrics.scraped_at != learned.seen_scrape:
             self._blind(ep, learned)
             if self.p.learn:
-                self._learn(ep, learned, now)
+                self._learn(ep, learned, now, demand)
         limit = self._mine(ep, learned, demand)
         return limit, self._saturated(ep, limit, fresh)
 
@@ -331,7 +331,7 @@ class Saturation:
             learned.slow_start = self.p.learn
         learned.blind = blind
 
-    def _learn(self, ep: Endpoint, learned: _Learned, now: float) -> None:
+    def _learn(self, ep: Endpoint, learned: _Learned, now: float, demand: int) -> None:
         m = ep.metrics
         if m.scraped_at == learned.seen_scrape or m.running is None or m.waiting is None:
             return
@@ -345,23 +345,36 @@ class Saturation:
         learned.short_queues = 0
         if learned.ceiling is not None and m.running > learned.ceiling:
             learned.ceiling = m.running  # it ran that many at once: its batch is no smaller
-        in_flight = self._fleet_in_flight(ep)
-        if (in_flight >= learned.limit
+        if (self._at_limit(ep, learned, demand)
                 and learned.limit < p.max_in_flight_per_engine
-                and m.running + m.waiting >= in_flight):
+                and m.running + m.waiting >= ep.in_flight_requests):
             # at the limit, and every request counted here is at the engine (not finished
             # there and still being relayed: a busy gateway must not read its own lag as
             # free seats, and let a burst into the engine's queue when it catches up)
             if learned.slow_start:
                 learned.limit = min(p.max_in_flight_per_engine, 2 * learned.limit)
             elif learned.ceiling is not None and m.running < learned.ceiling - 0.5:
-                learned.limit += 1  # the engine reports a free seat: no queue expected
+                # the engine reports a free seat: no queue expected (sharing with peers: the
+                # engine's observed batch at once, each replica's share being its part)
+                learned.limit = min(p.max_in_flight_per_engine, max(
+                    learned.limit + 1, int(learned.ceiling) if self.peers else 0))
             elif now - learned.last_probe >= p.probe_interval_s:
                 learned.limit += 1  # past the observed batch size: it may have grown
                 learned.last_probe = now
             else:
                 return
             self.probes += 1
+
+    def _at_limit(self, ep: Endpoint, learned: _Learned, demand: int) -> bool:
+        """Whether the limit holds requests back: every replica's requests in flight fill it,
+        or (sharing with peers) this replica's own share is full while it has requests
+        waiting. The shares sum to the limit only up to rounding and hysteresis: waiting for
+        the fleet to fill the limit exactly left two replicas at 3 + 3 of a limit of 7, on a
+        16-sequence engine, for good."""
+        if self._fleet_in_flight(ep) >= learned.limit:
+            return True
+        return (self.peers is not None and self._backlog() > 0
+                and ep.in_flight_requests >= self._mine(ep, learned, demand))
 
     def _cut(self, ep: Endpoint, learned: _Learned, running: float, waiting: float) -> None:
         """A queue in a full engine: this replica's share of the engine's batch, but never

@@ -135,3 +135,21 @@ def test_demand_counts_the_serving_pool_once() -> None:
     assert sat.demand(eps, own=True) == 8
     sat.peers = Peers({}, 0.0, 1)
     assert sat.demand(eps) == 8
+
+
+def test_shares_below_the_limit_still_raise_it() -> None:
+    """Seen in a flood through two replicas: a cut made before the other replica's requests
+    were known left the fleet's limit at 7 on a 16-sequence engine, each replica at 3 of it
+    (hysteresis kept 3 where 7 x 1/2 rounds to 4): the fleet never filled the limit, so it never
+    rose. A replica at its own share with requests waiting, on an engine running below its
+    observed batch, raises the limit to that batch."""
+    sat = Saturation(FlowParams(), lambda: 70)
+    # the burst's queue, scraped before the other replica's requests were heard of: cut to 7
+    view = sat.view([_ep(in_flight=28, running=16, waiting=48, scraped_at=1.0)], 1.0)
+    assert view.engines[0].learned == 7
+    sat.peers = Peers({"e0": 3}, 80.0, 1)
+    view = sat.view([_ep(in_flight=3, running=6, waiting=48, scraped_at=1.0)], 1.0)
+    assert view.engines[0].limit == 3  # 7 x 74 / 155
+    view = sat.view([_ep(in_flight=3, running=6, waiting=0, scraped_at=2.0)], 2.0)
+    assert view.engines[0].learned == 16  # the engine's observed batch
+    assert view.engines[0].limit == 8
