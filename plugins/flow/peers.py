@@ -20,10 +20,13 @@ flight there
 the demand asks for a change of one seat or less: :data:`HYSTERESIS`), never more
 than the seats the others do not hold (``limit - their in flight``: a replica whose share
 fell lets its requests end before the other fills their seats, so the engine does not queue
-meanwhile), never below ``min_in_flight_per_engine``. Shares sum to the limit; at a fixed
-point with both replicas saturated each holds the limit in proportion to its queue, so a
-request waits about as long behind either (Little's law) -- as it would in one gateway's one
-queue. The others' figures are at most ``share_interval_s`` plus a round trip old.
+meanwhile), never below ``min_in_flight_per_engine``. Shares sum to the limit (up to
+rounding and the hysteresis); at a fixed point with both replicas saturated each holds the
+limit in proportion to its queue, so a request waits about as long behind either (Little's
+law) -- as it would in one gateway's one queue. The others' figures are at most
+``share_interval_s`` plus a round trip old. The learner (plugins/flow/saturation.py) also
+raises the limit when this replica's own share is full with requests waiting and the engine
+runs below its batch, and takes this replica's reserve as its part of the fleet's.
 
 Redis down, or no other replica: no peers, each replica on its own limit (the learner's cut
 brings N replicas back to their shares of the batch within a scrape or two).
