@@ -24,8 +24,8 @@ Scenarios (``--scenario``), each a same-run comparison (systems rotated per tria
   replicas' routing plugins share through the same Redis as ``kvgate serve --redis`` has
   them (``--flow-only``: flow control alone); JSON ``..._sessions_<N>r[_flow_only].json``.
 * ``replicas`` -- the noisy neighbour through 1 gateway vs 2 replicas sharing fairness through
-  Redis (and 2 without): B's TTFT p99 ratio to B alone on 1 replica (and, for 2 replicas
-  with Redis, to B alone on those 2).
+  Redis (the defaults; and with ``share_limits: false``; and 2 without Redis): B's TTFT p99
+  ratio to B alone on 1 replica (and, for 2 replicas with Redis, to B alone on those 2).
 * ``priorities`` -- interactive streams alone vs with a saturating ``batch`` band (requests
   with ``x-kvgate-priority: batch``); flow control on. Reported: interactive TTFT p99 ratio.
 
@@ -585,6 +585,8 @@ def run_replicas(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
                 ("2r-redis/alone", Setup(args.engines, replicas=2, redis=True), False),
                 ("1r/flood", Setup(args.engines), True),
                 ("2r-redis/flood", Setup(args.engines, replicas=2, redis=True), True),
+                ("2r-redis-own-limits/flood", Setup(args.engines, replicas=2, redis=True,
+                                                    flow={"share_limits": False}), True),
                 ("2r-local/flood", Setup(args.engines, replicas=2), True)]
     trials = []
     for trial in range(args.trials):
@@ -597,7 +599,8 @@ def run_replicas(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
             print(label, json.dumps(cells[label]["B"]), cells[label]["A"]["statuses"],
                   "exactly_once", cells[label]["exactly_once"], flush=True)
         base = cells["1r/alone"]["B"]["ttft_p99_s"]
-        for label in ("1r/flood", "2r-redis/flood", "2r-local/flood"):
+        for label in ("1r/flood", "2r-redis/flood", "2r-redis-own-limits/flood",
+                      "2r-local/flood"):
             cells[f"{label}/ratio_p99"] = _ratio(cells[label]["B"]["ttft_p99_s"], base)
         # the two replicas' own light-load tail as the base (what a second hop adds alone)
         cells["2r-redis/flood/ratio_p99_own_alone"] = _ratio(
@@ -662,7 +665,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             + [f"{n}_max_ttft_s" for n in _sessions_systems(args)],
             "priorities": ["ratio_p99", *(f"{n}/ratio_p99" for n in names)],
             "replicas": ["1r/flood/ratio_p99", "2r-redis/flood/ratio_p99",
-                         "2r-local/flood/ratio_p99", "2r-redis/flood/ratio_p99_own_alone"]
+                         "2r-redis-own-limits/flood/ratio_p99", "2r-local/flood/ratio_p99",
+                         "2r-redis/flood/ratio_p99_own_alone"]
             }[args.scenario]
     medians = {k: _median(trials, k) for k in keys}
     out = {"scenario": args.scenario, "args": {**vars(args), "root_path": args.root},

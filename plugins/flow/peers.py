@@ -16,13 +16,17 @@ flight there
 
     share = round(limit x (demand + 1) / (all replicas' demand + replicas))
 
-(+1 per replica: a replica without demand still gets a slot for its next request), never more
+(+1 per replica: a replica without demand still gets a slot for its next request; kept while
+the demand asks for a change of one seat or less: :data:`HYSTERESIS`), never more
 than the seats the others do not hold (``limit - their in flight``: a replica whose share
 fell lets its requests end before the other fills their seats, so the engine does not queue
-meanwhile), never below ``min_in_flight_per_engine``. Shares sum to the limit; at a fixed
-point with both replicas saturated each holds the limit in proportion to its queue, so a
-request waits about as long behind either (Little's law) -- as it would in one gateway's one
-queue. The others' figures are at most ``share_interval_s`` plus a round trip old.
+meanwhile), never below ``min_in_flight_per_engine``. Shares sum to the limit (up to
+rounding and the hysteresis); at a fixed point with both replicas saturated each holds the
+limit in proportion to its queue, so a request waits about as long behind either (Little's
+law) -- as it would in one gateway's one queue. The others' figures are at most
+``share_interval_s`` plus a round trip old. The learner (plugins/flow/saturation.py) also
+raises the limit when this replica's own share is full with requests waiting and the engine
+runs below its batch, and takes this replica's reserve as its part of the fleet's.
 
 Redis down, or no other replica: no peers, each replica on its own limit (the learner's cut
 brings N replicas back to their shares of the batch within a scrape or two).
@@ -36,6 +40,11 @@ from dataclasses import dataclass
 
 #: The gauge each replica publishes its demand under (plugins/load/shared_load.py GaugeShare).
 DEMAND = "demand"
+#: [requests] A weighted share moves only when the demand asks for more than this change: two
+#: replicas with a flood queued in each swing around half of a 16-seat engine with every
+#: request, and a share flipping between 7 and 9 left a light tenant's turn behind a slot
+#: that was the replica's a moment ago (its requests must end first).
+HYSTERESIS = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,11 +61,16 @@ class Peers:
     def others(self, engine: str) -> int:
         return self.in_flight.get(engine, 0)
 
-    def share(self, limit: int, engine: str, demand: float, floor: int) -> int:
-        """This replica's part of ``engine``'s fleet ``limit`` with ``demand`` of its own."""
+    def share(self, limit: int, engine: str, demand: float, floor: int,
+              previous: int | None = None) -> tuple[int, int]:
+        """This replica's part of ``engine``'s fleet ``limit`` with ``demand`` of its own:
+        ``(limit here, the weighted share)``. The weighted share keeps ``previous`` while it is
+        within one of it (:data:`HYSTERESIS`)."""
         weight = (demand + 1.0) / (demand + self.demand + self.replicas + 1)
         mine = math.floor(limit * weight + 0.5)
-        return max(floor, min(mine, limit - self.others(engine)))
+        if previous is not None and abs(mine - previous) <= HYSTERESIS and previous <= limit:
+            mine = previous
+        return max(floor, min(mine, limit - self.others(engine))), mine
 
 
 def peers_from(in_flight: Mapping[str, float], gauges: Mapping[str, float],
@@ -68,4 +82,4 @@ def peers_from(in_flight: Mapping[str, float], gauges: Mapping[str, float],
                  replicas)
 
 
-__all__ = ["DEMAND", "Peers", "peers_from"]
+__all__ = ["DEMAND", "HYSTERESIS", "Peers", "peers_from"]

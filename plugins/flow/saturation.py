@@ -36,6 +36,7 @@ Bounded: one record per engine the pool has (records of engines gone are dropped
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -68,6 +69,8 @@ class _Learned:
     blind: bool = False
     #: When a request of a tenant over its fair share was last sent here (``over_share_pace_s``).
     paced_at: float | None = None
+    #: Sharing with peers: this replica's weighted share of ``limit`` (plugins/flow/peers.py).
+    share: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +166,7 @@ class Saturation:
             limit, why = self._verdict(ep, now, demand)
             free = 0 if why is not None else limit - ep.in_flight_requests
             unreserved = 0 if free == 0 or self._in_reserve(ep, limit, now) else max(
-                0, free - self.reserve(limit))
+                0, free - self._reserve(ep, limit))
             if ep.role is Role.PREFILL:
                 prefill = free + (prefill or 0)
                 prefill_open += unreserved
@@ -199,10 +202,17 @@ class Saturation:
         return sum(1 for ep in self.unsaturated(eps, now, past_reserve=True)
                    if ep.role is not Role.PREFILL and not self.paced(ep, now))
 
-    def reserve(self, limit: int) -> int:
+    def reserve(self, limit: int, learned: int | None = None) -> int:
         """An engine's slots kept for tenants under their fair share (``reserve_fraction`` of
-        its limit, rounded down: 2 of 16, none of fewer than 8)."""
-        return int(limit * self.p.reserve_fraction)
+        its limit, rounded down: 2 of 16, none of fewer than 8). Sharing the ``learned`` fleet
+        limit with peers, this replica's part of the fleet's reserve, rounded up: its share of
+        a 16-seat engine moves between 7 and 9 with the replicas' demand, and a reserve taken
+        of the share itself vanished at 7 (a light tenant's turn then waited for one of the
+        flood's requests to end)."""
+        if learned is None or self.peers is None or limit >= learned:
+            return int(limit * self.p.reserve_fraction)
+        fleet = int(learned * self.p.reserve_fraction)
+        return min(limit, math.ceil(fleet * limit / learned))
 
     def _forget(self, eps: Sequence[Endpoint]) -> None:
         if len(self._learned) > len(eps):  # engines gone: forget them
@@ -222,10 +232,14 @@ class Saturation:
             limit = self._mine(ep, self._new() if learned is None else learned, demand)
             if self._saturated(ep, limit, self._scraped_lately(ep, now), past_reserve):
                 continue
-            if past_reserve and limit - ep.in_flight_requests <= self.reserve(limit):
+            if past_reserve and limit - ep.in_flight_requests <= self._reserve(ep, limit):
                 continue
             out.append(ep)
         return out
+
+    def _reserve(self, ep: Endpoint, limit: int) -> int:
+        learned = self._learned.get(ep.id)
+        return self.reserve(limit, None if learned is None else learned.limit)
 
     def _in_reserve(self, ep: Endpoint, limit: int, now: float) -> bool:
         """Whether ``ep`` (not saturated) is past what a tenant over its share may fill of its
@@ -255,8 +269,11 @@ class Saturation:
     def _mine(self, ep: Endpoint, learned: _Learned, demand: float | None) -> int:
         """This replica's limit on ``ep``: the learned one, or with peers its share of it."""
         if self.peers is None or demand is None:
+            learned.share = None
             return learned.limit
-        return self.peers.share(learned.limit, ep.id, demand, self.p.min_in_flight_per_engine)
+        mine, learned.share = self.peers.share(learned.limit, ep.id, demand,
+                                               self.p.min_in_flight_per_engine, learned.share)
+        return mine
 
     def _fleet_in_flight(self, ep: Endpoint) -> int:
         """Requests in flight on ``ep`` from this replica and, with peers, from the others."""
@@ -280,7 +297,7 @@ class Saturation:
         if fresh and ep.metrics.scraped_at != learned.seen_scrape:
             self._blind(ep, learned)
             if self.p.learn:
-                self._learn(ep, learned, now)
+                self._learn(ep, learned, now, demand)
         limit = self._mine(ep, learned, demand)
         return limit, self._saturated(ep, limit, fresh)
 
@@ -314,7 +331,7 @@ class Saturation:
             learned.slow_start = self.p.learn
         learned.blind = blind
 
-    def _learn(self, ep: Endpoint, learned: _Learned, now: float) -> None:
+    def _learn(self, ep: Endpoint, learned: _Learned, now: float, demand: int) -> None:
         m = ep.metrics
         if m.scraped_at == learned.seen_scrape or m.running is None or m.waiting is None:
             return
@@ -328,23 +345,36 @@ class Saturation:
         learned.short_queues = 0
         if learned.ceiling is not None and m.running > learned.ceiling:
             learned.ceiling = m.running  # it ran that many at once: its batch is no smaller
-        in_flight = self._fleet_in_flight(ep)
-        if (in_flight >= learned.limit
+        if (self._at_limit(ep, learned, demand)
                 and learned.limit < p.max_in_flight_per_engine
-                and m.running + m.waiting >= in_flight):
+                and m.running + m.waiting >= ep.in_flight_requests):
             # at the limit, and every request counted here is at the engine (not finished
             # there and still being relayed: a busy gateway must not read its own lag as
             # free seats, and let a burst into the engine's queue when it catches up)
             if learned.slow_start:
                 learned.limit = min(p.max_in_flight_per_engine, 2 * learned.limit)
             elif learned.ceiling is not None and m.running < learned.ceiling - 0.5:
-                learned.limit += 1  # the engine reports a free seat: no queue expected
+                # the engine reports a free seat: no queue expected (sharing with peers: the
+                # engine's observed batch at once, each replica's share being its part)
+                learned.limit = min(p.max_in_flight_per_engine, max(
+                    learned.limit + 1, int(learned.ceiling) if self.peers else 0))
             elif now - learned.last_probe >= p.probe_interval_s:
                 learned.limit += 1  # past the observed batch size: it may have grown
                 learned.last_probe = now
             else:
                 return
             self.probes += 1
+
+    def _at_limit(self, ep: Endpoint, learned: _Learned, demand: int) -> bool:
+        """Whether the limit holds requests back: every replica's requests in flight fill it,
+        or (sharing with peers) this replica's own share is full while it has requests
+        waiting. The shares sum to the limit only up to rounding and hysteresis: waiting for
+        the fleet to fill the limit exactly left two replicas at 3 + 3 of a limit of 7, on a
+        16-sequence engine, for good."""
+        if self._fleet_in_flight(ep) >= learned.limit:
+            return True
+        return (self.peers is not None and self._backlog() > 0
+                and ep.in_flight_requests >= self._mine(ep, learned, demand))
 
     def _cut(self, ep: Endpoint, learned: _Learned, running: float, waiting: float) -> None:
         """A queue in a full engine: this replica's share of the engine's batch, but never

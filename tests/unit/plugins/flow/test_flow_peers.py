@@ -35,7 +35,47 @@ SHARES = [
 def test_share(name: str, limit: int, others: int, their_demand: float, replicas: int,
                demand: float, share: int) -> None:
     peers = Peers({"e0": others}, their_demand, replicas)
-    assert peers.share(limit, "e0", demand, floor=1) == share
+    assert peers.share(limit, "e0", demand, floor=1)[0] == share
+
+
+HYSTERESIS_CASES = [
+    # name, others' demand, own demand, previous share, share kept
+    ("a seat more asked: kept", 100.0, 100.0 * 9 / 7, 8, 8),
+    ("a seat less asked: kept", 100.0, 100.0 * 7 / 9, 8, 8),
+    ("two seats more asked: moved", 100.0, 100.0 * 10 / 6, 8, 10),
+    ("no previous share", 100.0, 100.0 * 9 / 7, None, 9),
+]
+
+
+@pytest.mark.parametrize(("name", "their_demand", "demand", "previous", "kept"),
+                         HYSTERESIS_CASES, ids=[c[0] for c in HYSTERESIS_CASES])
+def test_a_share_moves_only_past_one_seat(name: str, their_demand: float, demand: float,
+                                          previous: int | None, kept: int) -> None:
+    """Two replicas each with a flood queued swing around half an engine with every request:
+    a share within one seat of the last one stays (HYSTERESIS)."""
+    assert Peers({}, their_demand, 1).share(16, "e0", demand, 1, previous)[1] == kept
+
+
+RESERVES = [
+    # name, share of a 16-seat engine here, reserve kept of it
+    ("half the engine", 8, 1),
+    ("a little under half: still one", 7, 1),
+    ("a little over half", 9, 2),
+    ("one seat", 1, 1),
+    ("all of it", 16, 2),
+]
+
+
+@pytest.mark.parametrize(("name", "share", "reserve"), RESERVES, ids=[c[0] for c in RESERVES])
+def test_a_replicas_reserve_is_its_part_of_the_fleets(name: str, share: int,
+                                                      reserve: int) -> None:
+    """Sharing a limit of 16 (a reserve of 2 for the fleet), a replica's reserve is its part
+    of the fleet's, rounded up: a share of 7 keeps one slot for light tenants' turns, where a
+    reserve taken of the share itself (none below 8) kept none."""
+    sat = Saturation(FlowParams())
+    assert sat.reserve(share) == int(share * 0.125)  # alone: of its own limit
+    sat.peers = Peers({}, 10.0, 1)
+    assert sat.reserve(share, learned=16) == reserve
 
 
 def test_shares_sum_to_the_limit() -> None:
@@ -43,8 +83,8 @@ def test_shares_sum_to_the_limit() -> None:
     16 whatever the split of demand (the engine neither queues nor idles)."""
     for mine in range(0, 60, 3):
         for theirs in range(0, 60, 7):
-            a = Peers({}, theirs, 1).share(16, "e0", mine, floor=1)
-            b = Peers({}, mine, 1).share(16, "e0", theirs, floor=1)
+            a = Peers({}, theirs, 1).share(16, "e0", mine, floor=1)[0]
+            b = Peers({}, mine, 1).share(16, "e0", theirs, floor=1)[0]
             assert 15 <= a + b <= 17, (mine, theirs, a, b)
 
 
@@ -95,3 +135,21 @@ def test_demand_counts_the_serving_pool_once() -> None:
     assert sat.demand(eps, own=True) == 8
     sat.peers = Peers({}, 0.0, 1)
     assert sat.demand(eps) == 8
+
+
+def test_shares_below_the_limit_still_raise_it() -> None:
+    """Seen in a flood through two replicas: a cut made before the other replica's requests
+    were known left the fleet's limit at 7 on a 16-sequence engine, each replica at 3 of it
+    (hysteresis kept 3 where 7 x 1/2 rounds to 4): the fleet never filled the limit, so it never
+    rose. A replica at its own share with requests waiting, on an engine running below its
+    observed batch, raises the limit to that batch."""
+    sat = Saturation(FlowParams(), lambda: 70)
+    # the burst's queue, scraped before the other replica's requests were heard of: cut to 7
+    view = sat.view([_ep(in_flight=28, running=16, waiting=48, scraped_at=1.0)], 1.0)
+    assert view.engines[0].learned == 7
+    sat.peers = Peers({"e0": 3}, 80.0, 1)
+    view = sat.view([_ep(in_flight=3, running=6, waiting=48, scraped_at=1.0)], 1.0)
+    assert view.engines[0].limit == 3  # 7 x 74 / 155
+    view = sat.view([_ep(in_flight=3, running=6, waiting=0, scraped_at=2.0)], 2.0)
+    assert view.engines[0].learned == 16  # the engine's observed batch
+    assert view.engines[0].limit == 8
