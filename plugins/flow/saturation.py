@@ -126,6 +126,9 @@ class Saturation:
         #: The other replicas sharing the limits (plugins/flow/peers.py), as last read; None:
         #: alone, or Redis down, or ``share_limits`` off.
         self.peers: Peers | None = None
+        #: This replica's demand at the last look at the whole fleet (:meth:`view`,
+        #: :meth:`headroom`): the filter's look at a profile's subset weighs its shares by it.
+        self._seen_demand = 0
         #: Gateway replicas pacing the same engines (this one and the others the fairness
         #: exchange saw last round; 1 without Redis): each paces at that many times
         #: ``over_share_pace_s``, so the fleet's over-share admissions enter an engine at one
@@ -141,7 +144,7 @@ class Saturation:
     def view(self, eps: Sequence[Endpoint], now: float) -> FleetView:
         """Learn from fresh scrapes, then each engine's verdict and the pools' free slots."""
         self._forget(eps)
-        demand = self.demand(eps)
+        demand = self._seen_demand = self.demand(eps)
         views = tuple(self._engine(ep, now, demand) for ep in eps)
         serving = [v for v in views if v.role != Role.PREFILL.value]
         prefill = [v for v in views if v.role == Role.PREFILL.value]
@@ -161,7 +164,7 @@ class Saturation:
         serving = capacity = opened = 0
         prefill: int | None = None
         prefill_open = 0
-        demand = self.demand(eps)
+        demand = self._seen_demand = self.demand(eps)
         for ep in eps:
             limit, why = self._verdict(ep, now, demand)
             free = 0 if why is not None else limit - ep.in_flight_requests
@@ -226,7 +229,7 @@ class Saturation:
         ``eps`` may be a profile's subset); ``past_reserve``: only those with a free slot
         past their reserve (for a tenant over its fair share)."""
         out = []
-        demand = None if self.peers is None else self.demand(eps)
+        demand = None if self.peers is None else self._seen_demand
         for ep in eps:
             learned = self._learned.get(ep.id)
             limit = self._mine(ep, self._new() if learned is None else learned, demand)

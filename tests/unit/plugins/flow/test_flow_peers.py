@@ -153,3 +153,17 @@ def test_shares_below_the_limit_still_raise_it() -> None:
     view = sat.view([_ep(in_flight=3, running=6, waiting=0, scraped_at=2.0)], 2.0)
     assert view.engines[0].learned == 16  # the engine's observed batch
     assert view.engines[0].limit == 8
+
+
+def test_the_filter_weighs_shares_by_the_whole_fleets_demand() -> None:
+    """The filter looks at a profile's subset of engines (a P/D role, the healthy ones): the
+    shares there are weighed by the demand seen over the whole fleet, as the gate's are.
+    Weighed by the subset's own demand, engine a's share fell to its requests in flight and
+    the filter dropped an engine the gate had counted a free slot on."""
+    sat = Saturation(FlowParams(), lambda: 0)
+    sat.peers = Peers({}, 8.0, 1)
+    eps = [_ep("a", in_flight=23), _ep("b", in_flight=15)]
+    limits = {e.id: e.limit for e in sat.view(eps, 1.0).engines}
+    assert limits == {"a": 26, "b": 26}  # 32 x 39 / 48: 38 requests in flight here
+    assert sat.unsaturated(eps[:1], 1.0) == eps[:1]  # a's subset alone: 32 x 24 / 33 = 23
+    assert {e.id: e.limit for e in sat.view(eps, 1.0).engines} == limits
