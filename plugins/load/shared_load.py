@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import secrets
 import socket
@@ -98,7 +99,8 @@ def merge_loads(raws: list[Any]) -> dict[EndpointId, EngineLoad]:
 
 
 def parse_counters(raw: Any) -> dict[str, float] | None:
-    """``{"engine": cumulative value}`` as published, or None when missing or malformed."""
+    """``{"engine": cumulative value}`` as published, or None when missing or malformed (a
+    value that is not a finite number ≥ 0 is skipped: JSON's ``Infinity`` parses)."""
     if raw is None:
         return None
     try:
@@ -108,7 +110,7 @@ def parse_counters(raw: Any) -> dict[str, float] | None:
     if not isinstance(doc, dict):
         return None
     return {str(k): float(v) for k, v in doc.items()
-            if type(v) in (int, float) and v >= 0}
+            if type(v) in (int, float) and 0 <= v < math.inf}
 
 
 @dataclass(frozen=True, slots=True)

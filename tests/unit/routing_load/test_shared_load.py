@@ -170,6 +170,8 @@ def test_record_share_skips_repeats_within_repeat_s() -> None:
     ([None, b"not json", b"[1]"], {}),
     ([b'{"demand":3}', b'{"demand":4.5,"other":1}', b'{"demand":-2,"x":"y"}'],
      {"demand": 7.5, "other": 1.0}),
+    ([b'{"demand":Infinity}', b'{"demand":NaN}', b'{"demand":1e400}', b'{"demand":2}'],
+     {"demand": 2.0}),
 ])
 def test_sum_gauges(raws: list[bytes | None], expected: dict[str, float]) -> None:
     assert sum_gauges(raws) == expected
