@@ -73,13 +73,12 @@ class Peers:
         return max(floor, min(mine, limit - self.others(engine))), mine
 
 
-def peers_from(in_flight: Mapping[str, float], gauges: Mapping[str, float],
+def peers_from(in_flight: Mapping[str, float], demand: float,
                replicas: int) -> Peers | None:
     """Peers from the exchange's last round (None: no other replica was read)."""
     if replicas <= 0:
         return None
-    return Peers({ep: int(n) for ep, n in in_flight.items()}, gauges.get(DEMAND, 0.0),
-                 replicas)
+    return Peers({ep: int(n) for ep, n in in_flight.items()}, demand, replicas)
 
 
 __all__ = ["DEMAND", "HYSTERESIS", "Peers", "peers_from"]

@@ -203,7 +203,7 @@ class FlowShare:
         if self.demand is None or ex is None or ex.stats.down:
             return None
         return peers_from({ep: ld.requests for ep, ld in ex.remote.items()},
-                          {DEMAND: self.demand.others}, ex.stats.replicas)
+                          self.demand.others, ex.stats.replicas)
 
     def served(self, tenant: str, session: str | None, tokens: float) -> None:
         """A usage's session tokens, told to the other replicas."""

@@ -222,7 +222,12 @@ def _outage_keeps_serving(gws: list[str]) -> None:
         assert "degraded" in str(plugins["prefix-cache-producer"].get("shared_record"))
         assert "degraded" in str(plugins["kv-placement-scorer"].get("shared_placement"))
         assert "degraded" in str(plugins["flow-control"].get("shared_sessions"))
-        assert "fleet_limits" not in plugins["flow-control"]  # each on its own limits
+
+        def own_limits(base: str = base) -> bool:  # flow control's exchange failed a round too
+            flow = httpx.get(base + "/health", timeout=10).json()["plugins"]["flow-control"]
+            return "fleet_limits" not in flow
+
+        wait_for(own_limits, f"replica {i}'s flow control on its own limits")
         down = metric(base, "kvgate_shared_load_down")
         assert list(down.values()) == [1.0]
         assert httpx.get(base + "/health", timeout=10).status_code == 200

@@ -7,7 +7,7 @@ import pytest
 
 from kvgate.middleware.framework.types import Endpoint, EngineMetrics, Role
 from kvgate.plugins.flow.params import FlowParams
-from kvgate.plugins.flow.peers import DEMAND, Peers, peers_from
+from kvgate.plugins.flow.peers import Peers, peers_from
 from kvgate.plugins.flow.saturation import Saturation
 
 
@@ -89,10 +89,10 @@ def test_shares_sum_to_the_limit() -> None:
 
 
 def test_peers_from_the_exchange() -> None:
-    assert peers_from({"e0": 3.0}, {DEMAND: 7.0}, 0) is None
-    peers = peers_from({"e0": 3.0}, {DEMAND: 7.0}, 2)
+    assert peers_from({"e0": 3.0}, 7.0, 0) is None
+    peers = peers_from({"e0": 3.0}, 7.0, 2)
     assert peers == Peers({"e0": 3}, 7.0, 2)
-    assert peers_from({}, {}, 1) == Peers({}, 0.0, 1)
+    assert peers_from({}, 0.0, 1) == Peers({}, 0.0, 1)
 
 
 def test_the_fleet_learns_the_engines_batch_and_splits_it_by_demand() -> None:
