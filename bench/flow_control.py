@@ -211,6 +211,9 @@ class Tally:
     statuses: Counter[int] = field(default_factory=Counter)
     retry_after_missing: int = 0
     sessions_done: list[float] = field(default_factory=list)
+    #: Prompt and cached prompt tokens of the measured streams (their usage chunk).
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
     #: TTFTs of requests sent before this (time.monotonic()) are not recorded (warm-up).
     measure_from: float = 0.0
 
@@ -236,7 +239,18 @@ async def _call(session: aiohttp.ClientSession, url: str, key: str, body: dict[s
                 if start >= tally.measure_from:
                     tally.ttfts.append(time.monotonic() - start)
                 seen = True
+            elif line.startswith(b'data: {') and b'"usage"' in line and start >= tally.measure_from:
+                _count_usage(json.loads(line[6:]).get("usage"), tally)
         return True
+
+
+def _count_usage(usage: dict[str, Any] | None, tally: Tally) -> None:
+    """A stream's usage chunk: its prompt and cached prompt tokens into ``tally``."""
+    if not usage:
+        return
+    tally.prompt_tokens += int(usage.get("prompt_tokens") or 0)
+    tally.cached_tokens += int((usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                               or 0)
 
 
 async def agent(url: str | Sequence[str], key: str, sid: str, turns: int, ctx_words: int,
@@ -257,7 +271,8 @@ async def agent(url: str | Sequence[str], key: str, sid: str, turns: int, ctx_wo
                 return
             history.append({"role": "user", "content": f"{sid} turn {turn}: " + _text(rng, 40)})
             body = {"model": model, "messages": history, "max_tokens": out_tokens,
-                    "stream": True, "ignore_eos": True}
+                    "stream": True, "ignore_eos": True,
+                    "stream_options": {"include_usage": True}}
             await _call(session, urls[balancer.randrange(len(urls))], key, body,
                         {"x-session-affinity": sid, **(headers or {})}, tally)
             history.append({"role": "assistant", "content": _text(rng, out_tokens // 2)})
@@ -354,7 +369,9 @@ def summary(t: Tally) -> dict[str, Any]:
             "retry_after_missing": t.retry_after_missing,
             "sessions_done": len(t.sessions_done),
             "session_time_p50_s": _p(t.sessions_done, 0.5),
-            "session_time_p90_s": _p(t.sessions_done, 0.9)}
+            "session_time_p90_s": _p(t.sessions_done, 0.9),
+            "prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens,
+            "cached_share": t.cached_tokens / t.prompt_tokens if t.prompt_tokens else None}
 
 
 def gateway_view(root: Path, tenant: str, since: float) -> dict[str, Any]:
@@ -460,7 +477,9 @@ async def _sessions_cell(url: Sequence[str], keys: dict[str, str], args: argpars
                      agent(url, keys["A"], f"short-{seed}-{i}", 3, 100, 32, 0.0, stop + 120,
                            shorts, seed + 1000 + i)) for i in range(args.short_sessions)]
     await asyncio.gather(*tasks)
-    every = Tally(ttfts=longs.ttfts + shorts.ttfts)
+    every = Tally(ttfts=longs.ttfts + shorts.ttfts,
+                  prompt_tokens=longs.prompt_tokens + shorts.prompt_tokens,
+                  cached_tokens=longs.cached_tokens + shorts.cached_tokens)
     return {"all": summary(every), "long": summary(longs), "short": summary(shorts)}
 
 
@@ -476,9 +495,12 @@ def _sessions_systems(args: argparse.Namespace) -> dict[str, Setup]:
     through one gateway as the reference."""
     las: dict[str, Any] = {"session_order": "las",
                            **({"aging_tokens_per_s": args.aging} if args.aging else {})}
-    if args.replicas <= 1:
+    variants = {name: {**las, **json.loads(params)} for name, _, params
+                in (spec.partition("=") for spec in args.variant)}
+    if args.replicas <= 1:  # variants: las with these params too
         return {"fifo": Setup(args.engines, flow={"session_order": "fifo"}),
-                "las": Setup(args.engines, flow=las)}
+                "las": Setup(args.engines, flow=las),
+                **{name: Setup(args.engines, flow=flow) for name, flow in variants.items()}}
     shared: dict[str, Any] = {"replicas": args.replicas, "redis": True,
                               "share_routing": not args.flow_only}
     out = {"fifo": Setup(args.engines, flow={"session_order": "fifo"}, **shared),
@@ -487,7 +509,11 @@ def _sessions_systems(args: argparse.Namespace) -> dict[str, Setup]:
                                    **shared)}
     if args.with_local:
         out["las-local"] = Setup(args.engines, flow={**las, "share_sessions": False}, **shared)
+    for name, flow in variants.items():  # las through the replicas with these params too
+        out[name] = Setup(args.engines, flow=flow, **shared)
     out["las-1r"] = Setup(args.engines, flow=las)
+    for name, flow in variants.items():  # and through one gateway
+        out[f"{name}-1r"] = Setup(args.engines, flow=flow)
     return out
 
 
@@ -645,7 +671,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="sessions: the las system's aging_tokens_per_s (default: the plugin's)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                    help="noisy, priorities: one more system, flow control with these params "
-                        "(e.g. 'paced={\"over_share_pace_s\": 0.05}'); repeatable")
+                        "(e.g. 'paced={\"over_share_pace_s\": 0.05}'); sessions: las with these "
+                        "params (with --replicas: through the replicas and, as NAME-1r, one "
+                        "gateway); repeatable")
     p.add_argument("--skip-off", action="store_true",
                    help="noisy: leave out the system without flow control")
     p.add_argument("--root", default="/tmp/kvgate-bench-flow")
