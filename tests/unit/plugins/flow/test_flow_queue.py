@@ -83,15 +83,21 @@ def test_least_attained_session_first_and_fifo_option() -> None:
         assert [w.session for w in q.pump(2, 2, 100, 0.0)] == expected
 
 
-def test_aging_bounds_the_wait_of_a_long_session() -> None:
-    """A session served 8,192 tokens waits at most 8192 / 4096 = 2 s behind newcomers."""
-    q = _queue(aging_tokens_per_s=4096)
-    q.fair.session_served("t", "long", 8192)
+@pytest.mark.parametrize(("params", "served", "bound_s"), [
+    ({"aging_tokens_per_s": 4096}, 8192, 2.0),
+    ({}, 32_768, 2.0),  # the default, 16,384 tokens/s (docs/flow-control.md)
+    ({}, 100_000, 100_000 / 16_384),
+])
+def test_aging_bounds_the_wait_of_a_long_session(params: dict[str, object], served: int,
+                                                 bound_s: float) -> None:
+    """A session served S tokens waits at most S / aging_tokens_per_s behind newcomers."""
+    q = _queue(**params)
+    q.fair.session_served("t", "long", served)
     q.enqueue("standard", "t", "long", 10, 0.0)
-    q.enqueue("standard", "t", "fresh-1", 10, 1.9)
-    assert [w.session for w in q.pump(1, 1, 100, 2.0)] == ["fresh-1"]
-    q.enqueue("standard", "t", "fresh-2", 10, 2.1)
-    assert [w.session for w in q.pump(1, 1, 100, 2.2)] == ["long"]
+    q.enqueue("standard", "t", "fresh-1", 10, bound_s - 0.1)
+    assert [w.session for w in q.pump(1, 1, 100, bound_s)] == ["fresh-1"]
+    q.enqueue("standard", "t", "fresh-2", 10, bound_s + 0.1)
+    assert [w.session for w in q.pump(1, 1, 100, bound_s + 0.2)] == ["long"]
 
 
 def test_band_bound_refuses() -> None:
