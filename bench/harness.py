@@ -264,8 +264,20 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
+def git_commit() -> str:
+    """The checkout's commit, ``+dirty`` with uncommitted changes to tracked files: the tree a
+    bench's gateways start from (not edits made while it runs; a ``PYTHONPATH`` pointing
+    elsewhere is not seen)."""
+    here = Path(__file__).resolve().parent
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=False, cwd=here)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, check=False, cwd=here).stdout.strip()
+    return done.stdout.strip() + ("+dirty" if dirty else "")
+
+
 def machine_info() -> dict[str, Any]:
-    """Where the numbers came from."""
+    """Where the numbers came from (and on which tree)."""
     model = ""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
@@ -279,6 +291,7 @@ def machine_info() -> dict[str, Any]:
         "cpu_model": model,
         "cpus": os.cpu_count(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "tree": git_commit(),
     }
 
 

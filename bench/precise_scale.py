@@ -307,14 +307,6 @@ def report(opts: Options, results: Sequence[dict[str, Any]], tokens: int | None)
     return "\n".join(lines)
 
 
-def git_commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, check=False)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True, check=False).stdout.strip()
-    return done.stdout.strip() + ("+dirty" if dirty else "")
-
-
 def parse_options(argv: Sequence[str] | None = None) -> Options:
     p = argparse.ArgumentParser(prog="python -m bench.precise_scale",
                                 description=__doc__.splitlines()[0])
@@ -352,7 +344,7 @@ def _median_result(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_options(argv)
-    commit = git_commit()  # the tree the gateways start from (not edits made while it runs)
+    commit = harness.git_commit()  # the tree the gateways start from (not edits made while it runs)
     os.environ.setdefault(TOKENIZER_ENV, str(opts.model_dir))
     cfg = RunConfig(rate=0, concurrency=opts.sessions, duration_s=0, warmup_s=0, trials=1,
                     venv_root=Path(".kvgate/bench-venvs"),

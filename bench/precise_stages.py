@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench import precise_scale
+from bench import harness, precise_scale
 from bench.systems import DEFAULT_TOKENIZER
 from kvgate.middleware.framework.types import Api, CycleState, Endpoint, RoutingDecision, Usage
 from kvgate.middleware.serving.requests import parse_request
@@ -162,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     memo = (True, False) if a.memo_off else (True,)
     results = asyncio.run(run(opts, from_tokens, a.events, memo))
     print(f"CPU ms per request, turns past ~{from_tokens} tokens (commit "
-          f"{precise_scale.git_commit()}{', engine events' if a.events else ''}):")
+          f"{harness.git_commit()}{', engine events' if a.events else ''}):")
     for on, stages in zip(memo, results, strict=True):
         if a.memo_off:
             print(f"match memo {'on' if on else 'off'}:")
