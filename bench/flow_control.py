@@ -15,14 +15,17 @@ Scenarios (``--scenario``), each a same-run comparison (systems rotated per tria
   (many turns, long context, from the start) and ``--short-sessions`` short ones (starting over
   the measured window, after ``--warmup``), all closed loops, behind
   flow control with ``session_order: las`` vs ``fifo``. Reported: TTFT p99 and max, short
-  sessions' completion time (median, p90). ``--replicas N``: the same through N replicas
+  sessions' completion time (median, p90), the share of prompt tokens the engines found
+  cached (from the streams' usage chunks); ``--variant NAME=JSON`` adds las with those
+  params. ``--replicas N``: the same through N replicas
   sharing Redis, each turn sent to one at random (a per-request balancer): fifo, las (the
   sessions' service and the engines' limits shared between replicas, the defaults),
   las-own-limits (``share_limits: false``: each replica learns its own share of an engine's
   batch), las-local (``share_sessions: false``: each replica ranks by its own part of a
   session's service; only with ``--with-local``) and las through one gateway; the
   replicas' routing plugins share through the same Redis as ``kvgate serve --redis`` has
-  them (``--flow-only``: flow control alone); JSON ``..._sessions_<N>r[_flow_only].json``.
+  them (``--flow-only``: flow control alone), each ``--variant`` through the replicas and,
+  as ``NAME-1r``, through one gateway; JSON ``..._sessions_<N>r[_flow_only].json``.
 * ``replicas`` -- the noisy neighbour through 1 gateway vs 2 replicas sharing fairness through
   Redis (the defaults; and with ``share_limits: false``; and 2 without Redis): B's TTFT p99
   ratio to B alone on 1 replica (and, for 2 replicas with Redis, to B alone on those 2).
@@ -211,7 +214,8 @@ class Tally:
     statuses: Counter[int] = field(default_factory=Counter)
     retry_after_missing: int = 0
     sessions_done: list[float] = field(default_factory=list)
-    #: Prompt and cached prompt tokens of the measured streams (their usage chunk).
+    #: Prompt and cached prompt tokens of the measured streams whose usage chunk reported
+    #: cached tokens.
     prompt_tokens: int = 0
     cached_tokens: int = 0
     #: TTFTs of requests sent before this (time.monotonic()) are not recorded (warm-up).
@@ -245,12 +249,14 @@ async def _call(session: aiohttp.ClientSession, url: str, key: str, body: dict[s
 
 
 def _count_usage(usage: dict[str, Any] | None, tally: Tally) -> None:
-    """A stream's usage chunk: its prompt and cached prompt tokens into ``tally``."""
-    if not usage:
-        return
-    tally.prompt_tokens += int(usage.get("prompt_tokens") or 0)
-    tally.cached_tokens += int((usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-                               or 0)
+    """A stream's usage chunk: its prompt and cached prompt tokens into ``tally``, only when
+    the engine reported its cached tokens (unknown is not 0: the share is over the streams
+    that said)."""
+    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    prompt = (usage or {}).get("prompt_tokens")
+    if isinstance(cached, int) and isinstance(prompt, int):
+        tally.prompt_tokens += prompt
+        tally.cached_tokens += cached
 
 
 async def agent(url: str | Sequence[str], key: str, sid: str, turns: int, ctx_words: int,
