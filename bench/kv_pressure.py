@@ -47,7 +47,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from bench import agentic, kv_steady, venvs
+from bench import agentic, harness, kv_steady, venvs
 from bench.agentic_client import Record, Runner
 from bench.agentic_ideal import RunSummary, ideal_cached, live_working_set, summarize
 from bench.agentic_systems import (
@@ -250,7 +250,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "benchmark": name, "stamp": stamp,
             "command": shlex.join([sys.executable, "-m", "bench.kv_pressure",
                                    *(argv if argv is not None else sys.argv[1:])]),
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                        "tree": harness.git_commit()},
             "seed": args.seed, "kv_cache_bytes": args.kv_cache_bytes, "engines": args.engines,
             "kv_blocks": {e.name: kv_blocks(e.url) for e in engines},
             "workloads": {}, "runs": [],
