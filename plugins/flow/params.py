@@ -122,7 +122,7 @@ class FlowParams(BaseModel):
     #: next turn waits at most (served tokens / rate) behind newcomers: 16,384 -> 2 s for a
     #: 32k-token session, 6 s for a 100k-token one. Also the bound on how far apart replicas
     #: each ordering its own queue let sessions' service drift (docs/flow-control.md,
-    #: "Agent sessions through replicas": 4,096 left long sessions 1.6-2.3x one gateway's p99).
+    #: "Agent sessions through replicas": 4,096 left long sessions 1.4-2.3x one gateway's p99).
     aging_tokens_per_s: float = Field(16384.0, gt=0)
     #: Order within a tenant: ``las`` (least attained service by session, aged) or ``fifo``
     #: (arrival order; for comparison: bench/flow_control.py).
