@@ -433,13 +433,16 @@ def _ratio(x: float | None, y: float | None) -> float | None:
     return None if x is None or y is None or y == 0 else round(x / y, 3)
 
 
+def _variant_params(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """``--variant NAME=JSON``, parsed: each name's flow-control params."""
+    return {name: json.loads(params) for name, _, params
+            in (spec.partition("=") for spec in args.variant)}
+
+
 def _variants(args: argparse.Namespace) -> dict[str, Setup]:
     """``--variant NAME=JSON``: more systems, flow control with these params (same run)."""
-    out: dict[str, Setup] = {}
-    for spec in args.variant:
-        name, _, params = spec.partition("=")
-        out[name] = Setup(args.engines, args.engine_kind, flow=json.loads(params))
-    return out
+    return {name: Setup(args.engines, args.engine_kind, flow=flow)
+            for name, flow in _variant_params(args).items()}
 
 
 def run_noisy(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
@@ -501,8 +504,7 @@ def _sessions_systems(args: argparse.Namespace) -> dict[str, Setup]:
     through one gateway as the reference."""
     las: dict[str, Any] = {"session_order": "las",
                            **({"aging_tokens_per_s": args.aging} if args.aging else {})}
-    variants = {name: {**las, **json.loads(params)} for name, _, params
-                in (spec.partition("=") for spec in args.variant)}
+    variants = {name: {**las, **flow} for name, flow in _variant_params(args).items()}
     if args.replicas <= 1:  # variants: las with these params too
         return {"fifo": Setup(args.engines, flow={"session_order": "fifo"}),
                 "las": Setup(args.engines, flow=las),
